@@ -1,0 +1,153 @@
+#include "runtime/codec.h"
+
+#include "absl/strings/str_cat.h"
+#include "runtime/tensor_walk.h"
+
+namespace rdmarpc::internal {
+namespace {
+
+std::string Describe(size_t index, const Tensor& t) {
+  return absl::StrCat("tensor #", index, " (", DTypeName(t.dtype()), ", ",
+                      t.shape_size(), "-d)");
+}
+
+StatusOr<uint64_t> ExpectedSize(size_t index, const Tensor& t) {
+  auto size = TensorByteSize(
+      t.dtype(), std::span<const int64_t>(t.shape().data(), t.shape().size()));
+  if (!size.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Describe(index, t), ": ", size.status().message()));
+  }
+  if (t.byte_size() != 0 && t.byte_size() != *size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        Describe(index, t), ": byte_size ", t.byte_size(),
+        " does not match dtype and shape (", *size, " bytes)"));
+  }
+  return *size;
+}
+
+}  // namespace
+
+StatusOr<OutgoingPlan> PlanOutgoing(const google::protobuf::Message& msg,
+                                    const CallTensors& tensors) {
+  std::vector<const Tensor*> fields;
+  RDMARPC_RETURN_IF_ERROR(CollectTensors(msg, &fields));
+  OutgoingPlan plan;
+  plan.tensors.reserve(fields.size());
+  for (size_t i = 0; i < fields.size(); ++i) {
+    const Tensor& t = *fields[i];
+    RDMARPC_ASSIGN_OR_RETURN(uint64_t expected, ExpectedSize(i, t));
+    OutgoingTensor out;
+    out.size = expected;
+    if (const TensorBuffer* b = tensors.Find(t)) {
+      if (!t.data().empty() || b->size() != expected) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            Describe(i, t),
+            ": the field changed after CallTensors::Set() (it has inline "
+            "data or a shape that no longer matches the bound buffer)"));
+      }
+      out.out_of_band = true;
+      out.buffer = *b;
+    } else if (t.data().size() != expected) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          Describe(i, t), ": no buffer bound with CallTensors::Set() and ",
+          t.data().size(), " inline bytes where dtype and shape need ",
+          expected));
+    }
+    plan.total_bytes += expected;
+    plan.tensors.push_back(std::move(out));
+  }
+  return plan;
+}
+
+StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
+                                        std::span<const IncomingPart> parts,
+                                        Device placement, uint64_t max_bytes,
+                                        std::shared_ptr<const void> owner,
+                                        CallTensors* tensors) {
+  std::vector<Tensor*> fields;
+  RDMARPC_RETURN_IF_ERROR(CollectMutableTensors(msg, &fields));
+  if (fields.size() != parts.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "peer announced ", parts.size(), " tensors but the message holds ",
+        fields.size()));
+  }
+  IncomingResult result;
+  // Check everything before allocating anything.
+  for (size_t i = 0; i < fields.size(); ++i) {
+    const Tensor& t = *fields[i];
+    RDMARPC_ASSIGN_OR_RETURN(uint64_t expected, ExpectedSize(i, t));
+    const IncomingPart& p = parts[i];
+    if (p.size != expected) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(Describe(i, t), ": peer announced ", p.size,
+                       " bytes where dtype and shape need ", expected));
+    }
+    if (p.out_of_band && !t.data().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          Describe(i, t), ": sent out of band and inline at once"));
+    }
+    if (!p.out_of_band && t.data().size() != expected) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(Describe(i, t), ": ", t.data().size(),
+                       " inline bytes where dtype and shape need ", expected));
+    }
+    if (expected > max_bytes - result.total_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "message tensors exceed the receiver's limit of ", max_bytes,
+          " bytes"));
+    }
+    result.total_bytes += expected;
+    if (p.out_of_band) result.out_of_band_bytes += expected;
+  }
+  if (!placement.is_host()) RDMARPC_RETURN_IF_ERROR(CudaDeviceStatus(placement.index));
+  for (size_t i = 0; i < fields.size(); ++i) {
+    Tensor& t = *fields[i];
+    const IncomingPart& p = parts[i];
+    TensorBuffer bytes;
+    if (p.out_of_band) {
+      RDMARPC_ASSIGN_OR_RETURN(bytes, TensorBuffer::Allocate(p.size, placement));
+      result.landing.push_back(bytes);
+    } else if (placement.is_host()) {
+      bytes = TensorBuffer::Share(owner, t.data().data(), t.data().size());
+    } else {
+      RDMARPC_ASSIGN_OR_RETURN(bytes, TensorBuffer::Allocate(p.size, placement));
+      RDMARPC_RETURN_IF_ERROR(CopyBytes(bytes.data(), placement,
+                                        t.data().data(), Device::Host(),
+                                        p.size));
+      result.cpu_copied_bytes += p.size;
+      t.clear_data();
+    }
+    t.set_device_type(placement.type);
+    t.set_device_index(placement.index);
+    t.set_byte_size(p.size);
+    tensors->Bind(t, std::move(bytes));
+  }
+  return result;
+}
+
+StatusOr<std::unique_ptr<google::protobuf::Message>> InlineTensors(
+    const google::protobuf::Message& msg, const CallTensors& tensors,
+    uint64_t* copied) {
+  std::vector<const Tensor*> fields;
+  RDMARPC_RETURN_IF_ERROR(CollectTensors(msg, &fields));
+  std::unique_ptr<google::protobuf::Message> copy(msg.New());
+  copy->CopyFrom(msg);
+  std::vector<Tensor*> copy_fields;
+  RDMARPC_RETURN_IF_ERROR(CollectMutableTensors(copy.get(), &copy_fields));
+  for (size_t i = 0; i < fields.size(); ++i) {
+    const TensorBuffer* b = tensors.Find(*fields[i]);
+    if (b == nullptr) continue;  // already inline
+    std::string* data = copy_fields[i]->mutable_data();
+    data->resize(b->size());
+    RDMARPC_RETURN_IF_ERROR(
+        CopyBytes(data->data(), Device::Host(), b->data(), b->device(),
+                  b->size()));
+    copy_fields[i]->set_device_type(DEVICE_TYPE_HOST);
+    copy_fields[i]->set_device_index(0);
+    *copied += b->size();
+  }
+  return copy;
+}
+
+}  // namespace rdmarpc::internal

@@ -1,0 +1,74 @@
+// Transport-independent handling of a call's tensors: which travel out of
+// band, and the checks every received message passes before its tensors are
+// used. Every transport calls these, so a peer meets the same rules on each.
+#ifndef RDMARPC_RUNTIME_CODEC_H_
+#define RDMARPC_RUNTIME_CODEC_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "google/protobuf/message.h"
+#include "rdmarpc/memory.h"
+#include "rdmarpc/status.h"
+#include "rdmarpc/tensor.h"
+
+namespace rdmarpc::internal {
+
+// How one tensor of an outgoing message travels, in walk order.
+struct OutgoingTensor {
+  bool out_of_band = false;  // bytes in `buffer`, else inline in data()
+  uint64_t size = 0;
+  TensorBuffer buffer;
+};
+
+struct OutgoingPlan {
+  std::vector<OutgoingTensor> tensors;
+  uint64_t total_bytes = 0;  // inline and out of band
+};
+
+// Tensors bound in `tensors` go out of band; the others inline. Fails if a
+// bound field also has inline data or a description that does not match
+// its buffer (the message was changed after Set()).
+StatusOr<OutgoingPlan> PlanOutgoing(const google::protobuf::Message& msg,
+                                    const CallTensors& tensors);
+
+// What the peer says about one tensor of a message it sent.
+struct IncomingPart {
+  bool out_of_band = false;
+  uint64_t size = 0;
+};
+
+struct IncomingResult {
+  // Landing memory of each out-of-band tensor, in walk order; the transport
+  // fills it with the bytes that follow.
+  std::vector<TensorBuffer> landing;
+  uint64_t out_of_band_bytes = 0;
+  uint64_t total_bytes = 0;
+  uint64_t cpu_copied_bytes = 0;  // inline bytes copied to `placement`
+};
+
+// Checks the tensors of `msg` (just parsed from peer bytes) against `parts`:
+// count, dtype, shape, sizes, and the `max_bytes` budget, all before
+// allocating anything. Then allocates landing memory on `placement` for the
+// out-of-band tensors, and binds every tensor in `tensors`: inline ones as
+// views of their data (kept alive by `owner`, which must own `msg`) or as
+// copies when `placement` is a device. Marks each tensor's device fields
+// with where its bytes are. Errors are INVALID_ARGUMENT (a bad peer) or
+// RESOURCE_EXHAUSTED (budget or memory).
+StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
+                                        std::span<const IncomingPart> parts,
+                                        Device placement, uint64_t max_bytes,
+                                        std::shared_ptr<const void> owner,
+                                        CallTensors* tensors);
+
+// A copy of `msg` with every bound tensor's bytes inline in data(), for a
+// plain gRPC peer. Adds the bytes copied to *copied.
+StatusOr<std::unique_ptr<google::protobuf::Message>> InlineTensors(
+    const google::protobuf::Message& msg, const CallTensors& tensors,
+    uint64_t* copied);
+
+}  // namespace rdmarpc::internal
+
+#endif  // RDMARPC_RUNTIME_CODEC_H_

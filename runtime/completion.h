@@ -1,0 +1,39 @@
+// Runs a call's completion callback once the last holder lets go.
+//
+// A transport arms it when the call is done; zero-copy slices that still
+// reference the call's borrowed memory hold it too, so the user's callback
+// (after which the memory may be freed) waits until the transport no longer
+// reads it. Runs inline when released on the arming thread, else on a
+// runtime thread, never from inside the transport's internals.
+#ifndef RDMARPC_RUNTIME_COMPLETION_H_
+#define RDMARPC_RUNTIME_COMPLETION_H_
+
+#include <functional>
+#include <thread>
+
+#include "rdmarpc/status.h"
+
+namespace rdmarpc::internal {
+
+class DeferredCompletion {
+ public:
+  DeferredCompletion() = default;
+  DeferredCompletion(const DeferredCompletion&) = delete;
+  DeferredCompletion& operator=(const DeferredCompletion&) = delete;
+  ~DeferredCompletion();
+
+  // Sets what runs on release. Call once, before dropping the owner's ref.
+  void Arm(std::function<void(Status)> done, Status status);
+
+ private:
+  std::function<void(Status)> done_;
+  Status status_;
+  std::thread::id armed_on_;
+};
+
+// Runs `task` on the runtime's own callback thread.
+void RunOnCallbackThread(std::function<void()> task);
+
+}  // namespace rdmarpc::internal
+
+#endif  // RDMARPC_RUNTIME_COMPLETION_H_

@@ -1,0 +1,96 @@
+// rdmarpc/channel.h: a client's connection to one server.
+//
+// A Channel picks, per call, the transport that carries it, according to its
+// TransportPolicy, and records the choice and the reason in the call's
+// CallStats. Generated stubs call it; users create it and pass it to
+// `Service::NewStub`.
+//
+//   auto channel = rdmarpc::CreateChannel("10.0.0.7:50051");
+//   auto stub = demo::Inference::NewStub(channel);
+//
+// A Channel is thread-safe; share one between threads and stubs.
+#ifndef RDMARPC_CHANNEL_H_
+#define RDMARPC_CHANNEL_H_
+
+#include <functional>
+#include <future>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "google/protobuf/message.h"
+#include "rdmarpc/client_context.h"
+#include "rdmarpc/status.h"
+
+namespace rdmarpc {
+
+enum class TransportPolicy {
+  kAuto,  // RDMA when both sides can, else gRPC (the default)
+  kRdma,  // RDMA only: calls fail with UNAVAILABLE when it cannot be used
+  kGrpc,  // gRPC only
+};
+const char* PolicyName(TransportPolicy policy);  // "auto", "rdma", "grpc"
+// Parses "auto", "rdma" or "grpc".
+StatusOr<TransportPolicy> ParsePolicy(std::string_view name);
+
+struct ChannelOptions {
+  TransportPolicy policy = TransportPolicy::kAuto;
+  // Out-of-band tensor bytes on the gRPC transport go in chunks of this size.
+  size_t grpc_chunk_bytes = size_t{1} << 20;
+  // A response whose tensors add up to more than this fails with
+  // RESOURCE_EXHAUSTED instead of allocating landing memory for them.
+  uint64_t max_response_tensor_bytes = uint64_t{64} << 30;
+};
+
+namespace internal {
+class ClientTransport;
+}  // namespace internal
+
+class Channel {
+ public:
+  ~Channel();
+  Channel(const Channel&) = delete;
+  Channel& operator=(const Channel&) = delete;
+
+  const std::string& target() const { return target_; }
+  const ChannelOptions& options() const { return options_; }
+
+  // Calls `method` ("/package.Service/Method"). The request, response,
+  // context and the buffers bound in ctx->tensors() are borrowed until the
+  // call completes: `done` runs exactly once, on a runtime thread, after
+  // which the response (and ctx->tensors().Get() on its tensors) is ready.
+  void CallAsync(std::string_view method, ClientContext* ctx,
+                 const google::protobuf::Message& request,
+                 google::protobuf::Message* response,
+                 std::function<void(Status)> done);
+
+  // Blocking form of CallAsync.
+  Status Call(std::string_view method, ClientContext* ctx,
+              const google::protobuf::Message& request,
+              google::protobuf::Message* response);
+
+  // Future form of CallAsync: the future becomes ready when the call
+  // completes. The borrowed objects must outlive that moment.
+  std::future<Status> CallFuture(std::string_view method, ClientContext* ctx,
+                                 const google::protobuf::Message& request,
+                                 google::protobuf::Message* response);
+
+ private:
+  friend std::shared_ptr<Channel> CreateChannel(std::string target,
+                                                ChannelOptions options);
+  Channel(std::string target, ChannelOptions options);
+
+  std::string target_;
+  ChannelOptions options_;
+  std::unique_ptr<internal::ClientTransport> grpc_;
+  std::atomic<uint64_t> next_call_id_{1};
+};
+
+// Creates a channel to `target` ("host:port", "[v6]:port", "unix:path").
+// Connecting is lazy: errors surface on the first call.
+std::shared_ptr<Channel> CreateChannel(std::string target,
+                                       ChannelOptions options = {});
+
+}  // namespace rdmarpc
+
+#endif  // RDMARPC_CHANNEL_H_

@@ -1,0 +1,125 @@
+// rdmarpc/client_context.h: per-call options and results on the client.
+//
+// One ClientContext per call (like grpc::ClientContext); it must outlive the
+// call and cannot be reused.
+//
+//   rdmarpc::ClientContext ctx;
+//   ctx.set_timeout(std::chrono::seconds(2));
+//   ctx.AddMetadata("x-request-id", "42");
+//   rdmarpc::Status s = stub->Run(&ctx, req, &resp);
+//   std::cout << ctx.stats().ToString();   // transport, bytes, copies
+#ifndef RDMARPC_CLIENT_CONTEXT_H_
+#define RDMARPC_CLIENT_CONTEXT_H_
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "rdmarpc/memory.h"
+#include "rdmarpc/tensor.h"
+
+namespace rdmarpc {
+
+enum class TransportKind { kNone, kGrpc, kRdma };
+const char* TransportName(TransportKind kind);  // "none", "grpc", "rdma"
+
+// What one call did. Filled in by the runtime before the call completes.
+struct CallStats {
+  TransportKind transport = TransportKind::kNone;
+  // Why this transport carried the call, in words.
+  std::string transport_reason;
+  uint64_t call_id = 0;
+  // Tensor bytes sent and received (out of band or inline).
+  uint64_t tensor_bytes_sent = 0;
+  uint64_t tensor_bytes_received = 0;
+  // Tensor bytes the CPU copied on this side (staging, gRPC receive, ...).
+  // 0 on a zero-copy path.
+  uint64_t cpu_copied_bytes = 0;
+
+  std::string ToString() const;
+};
+
+namespace internal {
+// A transport's handle on a running call, so the context can cancel it.
+class CallCanceller {
+ public:
+  virtual ~CallCanceller() = default;
+  virtual void Cancel() = 0;
+};
+}  // namespace internal
+
+class ClientContext {
+ public:
+  ClientContext() = default;
+  ClientContext(const ClientContext&) = delete;
+  ClientContext& operator=(const ClientContext&) = delete;
+
+  // The call fails with DEADLINE_EXCEEDED if it has not completed by then.
+  void set_deadline(std::chrono::system_clock::time_point deadline) {
+    deadline_ = deadline;
+  }
+  void set_timeout(std::chrono::nanoseconds timeout) {
+    deadline_ = std::chrono::system_clock::now() + timeout;
+  }
+  std::optional<std::chrono::system_clock::time_point> deadline() const {
+    return deadline_;
+  }
+
+  // Sent to the server with the request. Keys are lower case ASCII; keys
+  // starting with "rdmarpc-" or "grpc-" are reserved.
+  void AddMetadata(std::string key, std::string value) {
+    metadata_.emplace(std::move(key), std::move(value));
+  }
+  const std::multimap<std::string, std::string>& metadata() const {
+    return metadata_;
+  }
+
+  // Where received response tensors land (default: host memory).
+  void set_response_placement(Device device) { placement_ = device; }
+  Device response_placement() const { return placement_; }
+
+  // Cancels the call if it is running (it then completes with CANCELLED),
+  // or makes it fail with CANCELLED when started. Thread-safe; the call's
+  // callback still runs exactly once.
+  void TryCancel();
+  bool IsCancelled() const { return cancelled_.load(); }
+
+  // Request tensors to send (Set) and, after completion, response tensors
+  // received (Get). Received bytes are owned by this context, or shared
+  // through TensorView::buffer().
+  CallTensors& tensors() { return tensors_; }
+  const CallTensors& tensors() const { return tensors_; }
+
+  // Valid once the call has completed.
+  const CallStats& stats() const { return stats_; }
+
+  // Runtime use.
+  CallStats* mutable_stats() { return &stats_; }
+  // Attaches the transport's canceller; returns false (and does not attach)
+  // if TryCancel() already ran.
+  bool AttachCanceller(std::shared_ptr<internal::CallCanceller> canceller);
+  void DetachCanceller();
+  // Marks the context used; false if it was used before.
+  bool MarkStarted() { return !started_.exchange(true); }
+
+ private:
+  std::optional<std::chrono::system_clock::time_point> deadline_;
+  std::multimap<std::string, std::string> metadata_;
+  Device placement_ = Device::Host();
+  CallTensors tensors_;
+  CallStats stats_;
+  std::atomic<bool> cancelled_{false};
+  std::atomic<bool> started_{false};
+  std::mutex mu_;
+  std::shared_ptr<internal::CallCanceller> canceller_;
+};
+
+}  // namespace rdmarpc
+
+#endif  // RDMARPC_CLIENT_CONTEXT_H_

@@ -1,0 +1,132 @@
+// rdmarpc/memory.h: memory that tensor bytes live in.
+//
+// A TensorBuffer is a contiguous block of bytes in host memory or in CUDA
+// device memory, with its ownership made explicit:
+//
+//   // Borrowed: the caller keeps `data` valid and unchanged until the call
+//   // that sends it has completed (blocking call returned, callback ran or
+//   // future became ready).
+//   auto b = rdmarpc::TensorBuffer::Borrow(data, n);
+//
+//   // Owned: the buffer frees itself when the last copy of it is destroyed.
+//   RDMARPC_ASSIGN_OR_RETURN(auto o, rdmarpc::TensorBuffer::Allocate(
+//                                        n, rdmarpc::Device::Cuda(0)));
+//
+// Copies of a TensorBuffer share the same bytes (like std::shared_ptr).
+//
+// A MemoryPool hands out TensorBuffers from large regions that a transport
+// can register with an RDMA device once, at start (see MemoryPool::Regions).
+#ifndef RDMARPC_MEMORY_H_
+#define RDMARPC_MEMORY_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "rdmarpc/status.h"
+#include "rdmarpc/tensor.pb.h"
+
+namespace rdmarpc {
+
+// A place bytes can live: host memory, or the memory of one CUDA device.
+struct Device {
+  DeviceType type = DEVICE_TYPE_HOST;
+  int index = 0;
+
+  static Device Host() { return {DEVICE_TYPE_HOST, 0}; }
+  static Device Cuda(int index) { return {DEVICE_TYPE_CUDA, index}; }
+  bool is_host() const { return type == DEVICE_TYPE_HOST; }
+  bool is_cuda() const { return type == DEVICE_TYPE_CUDA; }
+  bool operator==(const Device&) const = default;
+  std::string ToString() const;  // "host" or "cuda:N"
+};
+
+class TensorBuffer {
+ public:
+  // An empty buffer (no bytes, host).
+  TensorBuffer() = default;
+
+  // Wraps memory the caller owns. The caller keeps [data, data + size) valid
+  // (and, while it is being sent, unchanged) until every call using this
+  // buffer has completed.
+  static TensorBuffer Borrow(const void* data, size_t size,
+                             Device device = Device::Host());
+
+  // Wraps memory whose lifetime `owner` controls: the bytes stay valid while
+  // any copy of the returned buffer (or of `owner`) lives.
+  static TensorBuffer Share(std::shared_ptr<const void> owner,
+                            const void* data, size_t size,
+                            Device device = Device::Host());
+
+  // Allocates `size` bytes on `device` (64-byte aligned on the host). The
+  // bytes are uninitialized and freed when the last copy is destroyed.
+  // Fails with RESOURCE_EXHAUSTED when memory is short and UNAVAILABLE when
+  // `device` is a CUDA device that this process cannot use.
+  static StatusOr<TensorBuffer> Allocate(size_t size,
+                                         Device device = Device::Host());
+
+  // The bytes. Writable only for buffers from Allocate() or for memory the
+  // caller knows to be writable; the runtime never writes to a borrowed
+  // buffer that is being sent.
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+  Device device() const { return device_; }
+  bool empty() const { return size_ == 0; }
+
+  // A sub-range sharing this buffer's ownership.
+  TensorBuffer Slice(size_t offset, size_t size) const;
+
+ private:
+  std::shared_ptr<const void> owner_;
+  void* data_ = nullptr;
+  size_t size_ = 0;
+  Device device_;
+};
+
+// A source of TensorBuffers backed by a few large regions, so that a
+// transport registers each region once instead of each buffer.
+class MemoryPool {
+ public:
+  // One contiguous region of the pool.
+  struct Region {
+    void* base;
+    size_t size;
+    Device device;
+  };
+
+  virtual ~MemoryPool() = default;
+
+  // Returns a buffer of `size` bytes; it goes back to the pool when its last
+  // copy is destroyed. RESOURCE_EXHAUSTED when the pool cannot serve it.
+  virtual StatusOr<TensorBuffer> Allocate(size_t size) = 0;
+
+  // The regions every buffer of this pool lies in. Stable for the pool's
+  // lifetime, so a transport can register them at start.
+  virtual std::vector<Region> Regions() const = 0;
+
+  virtual Device device() const = 0;
+};
+
+// A pool of `capacity` bytes of host memory, carved into buffers with a
+// first-fit free list (64-byte granularity). The pool must outlive every
+// buffer it handed out.
+std::unique_ptr<MemoryPool> NewHostMemoryPool(size_t capacity);
+
+// Number of usable CUDA devices: 0 when this build has no CUDA support, when
+// the driver is missing, or when the machine has no GPU (never an error).
+int CudaDeviceCount();
+
+// OK when CUDA device `index` can be used; otherwise UNAVAILABLE with the
+// reason ("built without CUDA", "no CUDA driver: ...", "no GPU", ...).
+Status CudaDeviceStatus(int index);
+
+// Copies `size` bytes between any two devices (host or CUDA), synchronously.
+Status CopyBytes(void* dst, Device dst_device, const void* src,
+                 Device src_device, size_t size);
+
+}  // namespace rdmarpc
+
+#endif  // RDMARPC_MEMORY_H_

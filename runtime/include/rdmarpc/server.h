@@ -1,0 +1,192 @@
+// rdmarpc/server.h: serving rdmarpc services.
+//
+// A generated `X::Service` derives from rdmarpc::Service; override its
+// methods, register an instance with a ServerBuilder and start the server.
+// Its gRPC port serves rdmarpc clients and stock gRPC clients alike.
+//
+//   class Impl final : public demo::Inference::Service {
+//     rdmarpc::Status Run(rdmarpc::ServerContext* ctx, const demo::Req& req,
+//                         demo::Resp* resp) override {
+//       RDMARPC_ASSIGN_OR_RETURN(auto in, ctx->tensors().Get(req.input()));
+//       return ctx->tensors().Set(resp->mutable_output(), in);  // echo
+//     }
+//   };
+//   Impl impl;
+//   int port = 0;
+//   auto server = rdmarpc::ServerBuilder()
+//                     .AddListeningPort("0.0.0.0:0", &port)
+//                     .RegisterService(&impl)
+//                     .BuildAndStart();
+//   if (!server.ok()) ...;
+//   (*server)->Wait();
+//
+// Handlers run on a pool of worker threads and may block; a long handler
+// should poll ServerContext::IsCancelled().
+#ifndef RDMARPC_SERVER_H_
+#define RDMARPC_SERVER_H_
+
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "google/protobuf/message.h"
+#include "rdmarpc/client_context.h"
+#include "rdmarpc/memory.h"
+#include "rdmarpc/status.h"
+#include "rdmarpc/tensor.h"
+
+namespace rdmarpc {
+
+namespace internal {
+class ServerCallState;
+}  // namespace internal
+
+// Per-call information and the call's tensors, for a handler. Owned by the
+// runtime; valid until the handler returns. Tensor views taken from
+// tensors() stay valid after that only through TensorView::buffer().
+class ServerContext {
+ public:
+  explicit ServerContext(internal::ServerCallState* state) : state_(state) {}
+  ServerContext(const ServerContext&) = delete;
+  ServerContext& operator=(const ServerContext&) = delete;
+
+  const std::string& method() const;
+  std::string peer() const;
+  TransportKind transport() const;
+  uint64_t call_id() const;
+  std::optional<std::chrono::system_clock::time_point> deadline() const;
+  // True once the client cancelled, the deadline passed or the server is
+  // shutting down. The handler's result is then discarded.
+  bool IsCancelled() const;
+  const std::multimap<std::string, std::string>& client_metadata() const;
+
+  // Received request tensors (Get) and response tensors to send (Set).
+  // Buffers bound with Set are borrowed until the response has been sent,
+  // which is after the handler returns: bind owned or shared buffers.
+  CallTensors& tensors();
+
+ private:
+  internal::ServerCallState* state_;
+};
+
+// A unary method: request and response types plus the code that serves it.
+struct MethodDescriptor {
+  std::string path;  // "/package.Service/Method"
+  const google::protobuf::Message* request_prototype;
+  const google::protobuf::Message* response_prototype;
+  std::function<Status(ServerContext*, const google::protobuf::Message&,
+                       google::protobuf::Message*)>
+      handler;
+};
+
+// Base of every generated Service.
+class Service {
+ public:
+  virtual ~Service() = default;
+  const std::vector<MethodDescriptor>& methods() const { return methods_; }
+
+ protected:
+  // Used by generated code: registers `path` with typed request/response.
+  template <typename Request, typename Response, typename Fn>
+  void AddUnaryMethod(std::string path, Fn fn) {
+    methods_.push_back(MethodDescriptor{
+        std::move(path), &Request::default_instance(),
+        &Response::default_instance(),
+        [fn = std::move(fn)](ServerContext* ctx,
+                             const google::protobuf::Message& req,
+                             google::protobuf::Message* resp) {
+          return fn(ctx, static_cast<const Request&>(req),
+                    static_cast<Response*>(resp));
+        }});
+  }
+
+ private:
+  std::vector<MethodDescriptor> methods_;
+};
+
+class Server;
+namespace internal {
+class ServerTransport;
+class Dispatcher;
+}  // namespace internal
+
+class ServerBuilder {
+ public:
+  ServerBuilder();
+  ~ServerBuilder();
+
+  // Listens for gRPC (and, later, RDMA handshakes) on `address`
+  // ("0.0.0.0:50051"; port 0 picks a free one). `selected_port`, if given,
+  // receives the bound port once BuildAndStart() returns.
+  ServerBuilder& AddListeningPort(std::string address,
+                                  int* selected_port = nullptr);
+
+  // Registers `service`; it must outlive the server. The same method path
+  // registered twice makes BuildAndStart() fail.
+  ServerBuilder& RegisterService(Service* service);
+
+  // Worker threads that run handlers (default: max(4, hardware threads)).
+  ServerBuilder& SetNumWorkers(int n);
+
+  // Where received request tensors land: the default for every method, or
+  // for one method path. Default: host memory.
+  ServerBuilder& SetTensorPlacement(Device device);
+  ServerBuilder& SetMethodTensorPlacement(std::string method_path,
+                                          Device device);
+
+  // A request whose tensors add up to more than this fails with
+  // RESOURCE_EXHAUSTED before any landing memory is allocated.
+  ServerBuilder& SetMaxRequestTensorBytes(uint64_t bytes);
+
+  // Starts serving. INVALID_ARGUMENT for a bad configuration, UNAVAILABLE if
+  // the port cannot be bound.
+  StatusOr<std::unique_ptr<Server>> BuildAndStart();
+
+ private:
+  std::vector<std::pair<std::string, int*>> ports_;
+  std::vector<Service*> services_;
+  int workers_ = 0;
+  Device placement_ = Device::Host();
+  std::map<std::string, Device> method_placement_;
+  uint64_t max_request_tensor_bytes_ = uint64_t{64} << 30;
+};
+
+class Server {
+ public:
+  ~Server();  // Shutdown() with no grace period, then waits.
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // Stops accepting calls; calls still running at `deadline` are cancelled
+  // (their clients get CANCELLED or UNAVAILABLE). Returns when every handler
+  // has returned and every call has completed. Idempotent.
+  void Shutdown(std::chrono::system_clock::time_point deadline);
+  void Shutdown() { Shutdown(std::chrono::system_clock::now()); }
+
+  // Blocks until Shutdown() has completed (from another thread).
+  void Wait();
+
+ private:
+  friend class ServerBuilder;
+  Server();
+
+  std::unique_ptr<internal::Dispatcher> dispatcher_;
+  std::vector<std::unique_ptr<internal::ServerTransport>> transports_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool shutdown_started_ = false;
+  bool shutdown_done_ = false;
+};
+
+}  // namespace rdmarpc
+
+#endif  // RDMARPC_SERVER_H_

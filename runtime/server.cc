@@ -1,0 +1,207 @@
+#include "rdmarpc/server.h"
+
+#include <algorithm>
+#include <exception>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/thread_pool.h"
+#include "runtime/transport.h"
+#include "transport/grpc/grpc_server.h"
+
+namespace rdmarpc {
+
+const std::string& ServerContext::method() const {
+  return state_->method().descriptor.path;
+}
+std::string ServerContext::peer() const { return state_->peer; }
+TransportKind ServerContext::transport() const { return state_->transport(); }
+uint64_t ServerContext::call_id() const { return state_->call_id; }
+std::optional<std::chrono::system_clock::time_point> ServerContext::deadline()
+    const {
+  return state_->deadline;
+}
+bool ServerContext::IsCancelled() const {
+  return state_->cancelled.load() ||
+         (state_->deadline &&
+          std::chrono::system_clock::now() > *state_->deadline);
+}
+const std::multimap<std::string, std::string>& ServerContext::client_metadata()
+    const {
+  return state_->client_metadata;
+}
+CallTensors& ServerContext::tensors() { return state_->tensors; }
+
+namespace internal {
+
+class ServerDispatcher final : public Dispatcher {
+ public:
+  ServerDispatcher(absl::flat_hash_map<std::string, ServerMethod> methods,
+                   int workers, uint64_t max_request_tensor_bytes)
+      : methods_(std::move(methods)),
+        max_request_tensor_bytes_(max_request_tensor_bytes),
+        pool_(workers) {}
+
+  const ServerMethod* Find(std::string_view path) const override {
+    auto it = methods_.find(absl::string_view(path.data(), path.size()));
+    return it == methods_.end() ? nullptr : &it->second;
+  }
+
+  uint64_t max_request_tensor_bytes() const override {
+    return max_request_tensor_bytes_;
+  }
+
+  void Execute(std::shared_ptr<ServerCallState> state,
+               std::shared_ptr<google::protobuf::Message> request,
+               Completion done) override {
+    pool_.Post([state = std::move(state), request = std::move(request),
+                done = std::move(done)] {
+      if (state->cancelled.load()) {
+        done(absl::CancelledError("call cancelled before its handler ran"),
+             nullptr);
+        return;
+      }
+      const MethodDescriptor& m = state->method().descriptor;
+      std::unique_ptr<google::protobuf::Message> response(
+          m.response_prototype->New());
+      ServerContext ctx(state.get());
+      Status status;
+      try {
+        status = m.handler(&ctx, *request, response.get());
+      } catch (const std::exception& e) {
+        status = absl::InternalError(
+            absl::StrCat("handler of ", m.path, " threw: ", e.what()));
+      } catch (...) {
+        status = absl::InternalError(
+            absl::StrCat("handler of ", m.path, " threw a non-exception"));
+      }
+      done(std::move(status), std::move(response));
+    });
+  }
+
+ private:
+  absl::flat_hash_map<std::string, ServerMethod> methods_;
+  uint64_t max_request_tensor_bytes_;
+  ThreadPool pool_;
+};
+
+}  // namespace internal
+
+ServerBuilder::ServerBuilder() = default;
+ServerBuilder::~ServerBuilder() = default;
+
+ServerBuilder& ServerBuilder::AddListeningPort(std::string address,
+                                               int* selected_port) {
+  ports_.emplace_back(std::move(address), selected_port);
+  return *this;
+}
+
+ServerBuilder& ServerBuilder::RegisterService(Service* service) {
+  services_.push_back(service);
+  return *this;
+}
+
+ServerBuilder& ServerBuilder::SetNumWorkers(int n) {
+  workers_ = n;
+  return *this;
+}
+
+ServerBuilder& ServerBuilder::SetTensorPlacement(Device device) {
+  placement_ = device;
+  return *this;
+}
+
+ServerBuilder& ServerBuilder::SetMethodTensorPlacement(std::string method_path,
+                                                       Device device) {
+  method_placement_[std::move(method_path)] = device;
+  return *this;
+}
+
+ServerBuilder& ServerBuilder::SetMaxRequestTensorBytes(uint64_t bytes) {
+  max_request_tensor_bytes_ = bytes;
+  return *this;
+}
+
+StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
+  if (ports_.empty()) {
+    return absl::InvalidArgumentError(
+        "ServerBuilder: no listening port; call AddListeningPort()");
+  }
+  absl::flat_hash_map<std::string, internal::ServerMethod> methods;
+  for (Service* service : services_) {
+    if (service == nullptr) {
+      return absl::InvalidArgumentError("ServerBuilder: null service");
+    }
+    for (const MethodDescriptor& m : service->methods()) {
+      Device placement = placement_;
+      if (auto it = method_placement_.find(m.path);
+          it != method_placement_.end()) {
+        placement = it->second;
+      }
+      if (!methods.emplace(m.path, internal::ServerMethod{m, placement})
+               .second) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "ServerBuilder: method ", m.path, " registered twice"));
+      }
+    }
+  }
+  for (const auto& [path, device] : method_placement_) {
+    if (!methods.contains(path)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ServerBuilder: placement set for unknown method ", path));
+    }
+  }
+  // Placement on a GPU this process cannot use is a configuration error.
+  for (const auto& [path, m] : methods) {
+    if (!m.placement.is_host()) {
+      Status s = CudaDeviceStatus(m.placement.index);
+      if (!s.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("ServerBuilder: tensors of ", path, " placed on ",
+                         m.placement.ToString(), ": ", s.message()));
+      }
+    }
+  }
+  int workers = workers_ > 0
+                    ? workers_
+                    : std::max(4, static_cast<int>(
+                                      std::thread::hardware_concurrency()));
+  std::unique_ptr<Server> server(new Server());
+  server->dispatcher_ = std::make_unique<internal::ServerDispatcher>(
+      std::move(methods), workers, max_request_tensor_bytes_);
+  RDMARPC_ASSIGN_OR_RETURN(
+      auto grpc, grpc_transport::GrpcServerTransport::Start(
+                     ports_, server->dispatcher_.get()));
+  server->transports_.push_back(std::move(grpc));
+  return server;
+}
+
+Server::Server() = default;
+
+Server::~Server() {
+  Shutdown();
+  Wait();
+}
+
+void Server::Shutdown(std::chrono::system_clock::time_point deadline) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shutdown_started_) return;
+    shutdown_started_ = true;
+  }
+  for (auto& t : transports_) t->Shutdown(deadline);
+  // Every call has completed; the workers are idle.
+  dispatcher_.reset();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    shutdown_done_ = true;
+  }
+  cv_.notify_all();
+}
+
+void Server::Wait() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return shutdown_done_; });
+}
+
+}  // namespace rdmarpc

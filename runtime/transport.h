@@ -1,0 +1,100 @@
+// The boundary between the runtime and its transports.
+//
+// Generated code and the user API talk to Channel and Server only; those
+// hand each call to a ClientTransport or receive it from a ServerTransport.
+// A transport moves bytes; message parsing, tensor validation and placement
+// live in codec.h so every transport applies the same checks.
+#ifndef RDMARPC_RUNTIME_TRANSPORT_H_
+#define RDMARPC_RUNTIME_TRANSPORT_H_
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "google/protobuf/message.h"
+#include "rdmarpc/client_context.h"
+#include "rdmarpc/server.h"
+#include "rdmarpc/status.h"
+
+namespace rdmarpc::internal {
+
+// One client call as handed to a transport. `ctx`, `request` and `response`
+// are borrowed until `done` runs; the transport runs `done` exactly once.
+struct ClientCall {
+  std::string method;
+  ClientContext* ctx = nullptr;
+  const google::protobuf::Message* request = nullptr;
+  google::protobuf::Message* response = nullptr;
+  uint64_t call_id = 0;
+  uint64_t max_response_tensor_bytes = 0;
+  std::function<void(Status)> done;
+};
+
+class ClientTransport {
+ public:
+  virtual ~ClientTransport() = default;
+  virtual TransportKind kind() const = 0;
+  virtual void Start(ClientCall call) = 0;
+};
+
+// A method as the server knows it: the user's descriptor plus placement.
+struct ServerMethod {
+  MethodDescriptor descriptor;
+  Device placement;
+};
+
+// Server-side state of one call, shared by the transport (which fills it
+// and sends the result) and the dispatcher (which runs the handler).
+class ServerCallState {
+ public:
+  ServerCallState(const ServerMethod* method, TransportKind transport)
+      : method_(method), transport_(transport) {}
+
+  const ServerMethod& method() const { return *method_; }
+  TransportKind transport() const { return transport_; }
+  std::string peer;
+  uint64_t call_id = 0;
+  std::optional<std::chrono::system_clock::time_point> deadline;
+  std::multimap<std::string, std::string> client_metadata;
+  CallTensors tensors;
+  std::atomic<bool> cancelled{false};
+
+ private:
+  const ServerMethod* method_;
+  TransportKind transport_;
+};
+
+// Runs handlers. Owned by the Server; transports call it.
+class Dispatcher {
+ public:
+  virtual ~Dispatcher() = default;
+  // nullptr for an unknown path.
+  virtual const ServerMethod* Find(std::string_view path) const = 0;
+  virtual uint64_t max_request_tensor_bytes() const = 0;
+  // Runs the handler for `state` on a worker with `request` (parsed, its
+  // tensors bound in state->tensors). `done` runs exactly once with the
+  // handler's status and response; with CANCELLED and no handler run when
+  // the call was cancelled before a worker picked it up.
+  using Completion = std::function<void(
+      Status, std::unique_ptr<google::protobuf::Message> response)>;
+  virtual void Execute(std::shared_ptr<ServerCallState> state,
+                       std::shared_ptr<google::protobuf::Message> request,
+                       Completion done) = 0;
+};
+
+class ServerTransport {
+ public:
+  virtual ~ServerTransport() = default;
+  // Stops taking calls, cancels the ones still running at `deadline`, and
+  // returns when all have completed.
+  virtual void Shutdown(std::chrono::system_clock::time_point deadline) = 0;
+};
+
+}  // namespace rdmarpc::internal
+
+#endif  // RDMARPC_RUNTIME_TRANSPORT_H_

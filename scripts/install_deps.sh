@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Installs rdmarpc's build and test dependencies from Debian 12 packages.
+# Needs root (or sudo). Safe to run again: apt-get skips what is installed.
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build pkg-config git
+  libprotobuf-dev libprotoc-dev protobuf-compiler
+  libgrpc++-dev protobuf-compiler-grpc
+  libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
+  libibverbs-dev librdmacm-dev
+  python3 python3-grpcio python3-protobuf
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" ||
+    missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install_deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null; then
+    sudo="sudo"
+  else
+    echo "install_deps: missing packages (${missing[*]}) and not root; run as root" >&2
+    exit 1
+  fi
+fi
+echo "install_deps: installing ${missing[*]}"
+$sudo apt-get update -q
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The main job: installs dependencies, builds, starts the hello_tensor server
+# and runs the client against it. The client prints, per call, the transport
+# that carried it and why.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install_deps.sh
+scripts/build.sh
+build_dir="${BUILD_DIR:-build}"
+bin="$build_dir/examples/hello_tensor"
+
+port_file=$(mktemp)
+rm -f "$port_file"
+"$bin/hello_tensor_server" --port=0 --port-file="$port_file" &
+server=$!
+trap 'kill $server 2>/dev/null; wait $server 2>/dev/null; rm -f "$port_file"' EXIT
+for _ in $(seq 1 100); do
+  [ -s "$port_file" ] && break
+  kill -0 $server 2>/dev/null || { echo "run_example: server exited" >&2; exit 1; }
+  sleep 0.1
+done
+[ -s "$port_file" ] || { echo "run_example: server did not report its port" >&2; exit 1; }
+port=$(cat "$port_file")
+"$bin/hello_tensor_client" --target="localhost:$port" "$@"

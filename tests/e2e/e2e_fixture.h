@@ -1,0 +1,117 @@
+// The end-to-end suite's fixture: a real server and channel per transport.
+// A transport joins the suite by adding a TransportCase to its
+// INSTANTIATE_TEST_SUITE_P list; the tests do not change.
+#ifndef RDMARPC_TESTS_E2E_E2E_FIXTURE_H_
+#define RDMARPC_TESTS_E2E_E2E_FIXTURE_H_
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "e2e_test.rdmarpc.pb.h"
+#include "rdmarpc/rdmarpc.h"
+
+namespace rdmarpc_test {
+
+struct TransportCase {
+  std::string name;
+  rdmarpc::TransportPolicy policy;
+  rdmarpc::TransportKind expected;
+};
+
+inline std::string CaseName(
+    const ::testing::TestParamInfo<TransportCase>& info) {
+  return info.param.name;
+}
+
+class E2EService final : public E2E::Service {
+ public:
+  rdmarpc::Status Echo(rdmarpc::ServerContext* ctx, const EchoRequest& req,
+                       EchoResponse* resp) override {
+    ++echo_calls;
+    std::string note = req.note();
+    for (const auto& [k, v] : ctx->client_metadata()) {
+      if (k == "x-echo") note += "|" + v;
+    }
+    resp->set_note(note);
+    if (!req.has_tensor()) return absl::OkStatus();
+    RDMARPC_ASSIGN_OR_RETURN(rdmarpc::TensorView in,
+                             ctx->tensors().Get(req.tensor()));
+    return ctx->tensors().Set(resp->mutable_tensor(), in);
+  }
+
+  rdmarpc::Status Fail(rdmarpc::ServerContext*, const EchoRequest& req,
+                       EchoResponse*) override {
+    return rdmarpc::Status(static_cast<absl::StatusCode>(req.fail_code()),
+                           req.fail_message());
+  }
+
+  rdmarpc::Status Slow(rdmarpc::ServerContext* ctx, const EchoRequest& req,
+                       EchoResponse* resp) override {
+    ++slow_started;
+    auto until = std::chrono::steady_clock::now() +
+                 std::chrono::milliseconds(req.sleep_ms());
+    while (std::chrono::steady_clock::now() < until) {
+      if (ctx->IsCancelled()) {
+        ++slow_saw_cancel;
+        return absl::CancelledError("handler saw cancellation");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    resp->set_note("slept");
+    return absl::OkStatus();
+  }
+
+  std::atomic<int> echo_calls{0};
+  std::atomic<int> slow_started{0};
+  std::atomic<int> slow_saw_cancel{0};
+};
+
+class E2ETest : public ::testing::TestWithParam<TransportCase> {
+ protected:
+  void SetUp() override {
+    auto server = rdmarpc::ServerBuilder()
+                      .AddListeningPort("127.0.0.1:0", &port_)
+                      .RegisterService(&service_)
+                      .SetNumWorkers(8)
+                      .BuildAndStart();
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    rdmarpc::ChannelOptions options;
+    options.policy = GetParam().policy;
+    channel_ = rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port_),
+                                      options);
+    stub_ = E2E::NewStub(channel_);
+  }
+
+  void TearDown() override {
+    if (server_) server_->Shutdown();
+  }
+
+  // Deterministic bytes that differ per position and per seed.
+  static std::vector<uint8_t> Pattern(size_t n, uint32_t seed) {
+    std::vector<uint8_t> v(n);
+    uint32_t x = seed * 2654435761u + 1;
+    for (size_t i = 0; i < n; ++i) {
+      x = x * 1664525u + 1013904223u;
+      v[i] = static_cast<uint8_t>(x >> 24);
+    }
+    return v;
+  }
+
+  E2EService service_;
+  int port_ = 0;
+  std::unique_ptr<rdmarpc::Server> server_;
+  std::shared_ptr<rdmarpc::Channel> channel_;
+  std::unique_ptr<E2E::Stub> stub_;
+};
+
+}  // namespace rdmarpc_test
+
+#endif  // RDMARPC_TESTS_E2E_E2E_FIXTURE_H_

@@ -1,0 +1,316 @@
+// The end-to-end suite. Written once; each transport instantiates it
+// (see e2e_grpc.cc).
+#include <future>
+#include <mutex>
+
+#include "e2e_fixture.h"
+
+namespace rdmarpc_test {
+namespace {
+
+using rdmarpc::ClientContext;
+using rdmarpc::TensorBuffer;
+
+TEST_P(E2ETest, EveryDTypeRoundTripsByteExact) {
+  const rdmarpc::DType dtypes[] = {
+      rdmarpc::DTYPE_F32, rdmarpc::DTYPE_F16, rdmarpc::DTYPE_BF16,
+      rdmarpc::DTYPE_F64, rdmarpc::DTYPE_I8,  rdmarpc::DTYPE_U8,
+      rdmarpc::DTYPE_I16, rdmarpc::DTYPE_I32, rdmarpc::DTYPE_I64,
+      rdmarpc::DTYPE_BOOL};
+  for (rdmarpc::DType dtype : dtypes) {
+    SCOPED_TRACE(rdmarpc::DTypeName(dtype));
+    const std::vector<int64_t> shape = {3, 5, 7};
+    std::vector<uint8_t> bytes =
+        Pattern(105 * rdmarpc::DTypeSize(dtype), static_cast<uint32_t>(dtype));
+    if (dtype == rdmarpc::DTYPE_BOOL) {
+      for (auto& b : bytes) b &= 1;
+    }
+    ClientContext ctx;
+    EchoRequest req;
+    ASSERT_TRUE(ctx.tensors()
+                    .Set(req.mutable_tensor(), dtype, shape,
+                         TensorBuffer::Borrow(bytes.data(), bytes.size()))
+                    .ok());
+    EchoResponse resp;
+    rdmarpc::Status s = stub_->Echo(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << s;
+    auto out = ctx.tensors().Get(resp.tensor());
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_EQ(out->dtype(), dtype);
+    EXPECT_EQ(out->shape(), shape);
+    ASSERT_EQ(out->size(), bytes.size());
+    EXPECT_EQ(0, std::memcmp(out->data(), bytes.data(), bytes.size()));
+    EXPECT_EQ(ctx.stats().transport, GetParam().expected);
+  }
+}
+
+TEST_P(E2ETest, SizesAcrossGrpcAndProtobufLimitsRoundTrip) {
+  for (size_t size : {size_t{0}, size_t{1}, size_t{4096}, size_t{5} << 20,
+                      size_t{64} << 20}) {
+    SCOPED_TRACE(size);
+    std::vector<uint8_t> bytes = Pattern(size, static_cast<uint32_t>(size));
+    ClientContext ctx;
+    EchoRequest req;
+    req.set_note("sized");
+    ASSERT_TRUE(ctx.tensors()
+                    .Set(req.mutable_tensor(), rdmarpc::DTYPE_U8,
+                         {static_cast<int64_t>(size)},
+                         TensorBuffer::Borrow(bytes.data(), bytes.size()))
+                    .ok());
+    EchoResponse resp;
+    rdmarpc::Status s = stub_->Echo(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(resp.note(), "sized");
+    auto out = ctx.tensors().Get(resp.tensor());
+    ASSERT_TRUE(out.ok()) << out.status();
+    ASSERT_EQ(out->size(), size);
+    EXPECT_TRUE(size == 0 || std::memcmp(out->data(), bytes.data(), size) == 0);
+    EXPECT_EQ(ctx.stats().tensor_bytes_sent, size);
+    EXPECT_EQ(ctx.stats().tensor_bytes_received, size);
+    EXPECT_EQ(ctx.stats().transport, GetParam().expected);
+    EXPECT_FALSE(ctx.stats().transport_reason.empty());
+  }
+}
+
+TEST_P(E2ETest, ProtobufStyleInlineTensorIsAccepted) {
+  ClientContext ctx;
+  EchoRequest req;
+  req.mutable_tensor()->set_dtype(rdmarpc::DTYPE_I32);
+  req.mutable_tensor()->add_shape(2);
+  req.mutable_tensor()->set_data(std::string("\1\0\0\0\2\0\0\0", 8));
+  EchoResponse resp;
+  ASSERT_TRUE(stub_->Echo(&ctx, req, &resp).ok());
+  auto out = ctx.tensors().Get(resp.tensor());
+  ASSERT_TRUE(out.ok()) << out.status();
+  ASSERT_EQ(out->size(), 8u);
+  EXPECT_EQ(out->host_data<int32_t>()[1], 2);
+}
+
+TEST_P(E2ETest, HandlerErrorStatusReachesClient) {
+  ClientContext ctx;
+  EchoRequest req;
+  req.set_fail_code(static_cast<int>(absl::StatusCode::kFailedPrecondition));
+  req.set_fail_message("the model is not loaded");
+  EchoResponse resp;
+  rdmarpc::Status s = stub_->Fail(&ctx, req, &resp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.message(), "the model is not loaded");
+}
+
+TEST_P(E2ETest, UnknownAndUnimplementedMethodsGiveUnimplemented) {
+  EchoRequest req;
+  EchoResponse resp;
+  ClientContext c1;
+  rdmarpc::Status s = channel_->Call("/rdmarpc_test.E2E/NoSuchMethod", &c1,
+                                     req, &resp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  ClientContext c2;
+  s = stub_->Missing(&c2, req, &resp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+}
+
+TEST_P(E2ETest, DeadlineGivesDeadlineExceeded) {
+  ClientContext ctx;
+  ctx.set_timeout(std::chrono::milliseconds(300));
+  EchoRequest req;
+  req.set_sleep_ms(10000);
+  EchoResponse resp;
+  auto start = std::chrono::steady_clock::now();
+  rdmarpc::Status s = stub_->Slow(&ctx, req, &resp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  // A handler that started learns it too and stops early (under heavy load
+  // the call may expire before a worker picks it up; then none started).
+  for (int i = 0; i < 500 && service_.slow_saw_cancel.load() !=
+                                 service_.slow_started.load();
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(service_.slow_saw_cancel.load(), service_.slow_started.load());
+}
+
+TEST_P(E2ETest, ClientCancellationGivesCancelledOnce) {
+  ClientContext ctx;
+  EchoRequest req;
+  req.set_sleep_ms(10000);
+  EchoResponse resp;
+  std::atomic<int> callbacks{0};
+  std::promise<rdmarpc::Status> result;
+  stub_->Slow(&ctx, req, &resp, [&](rdmarpc::Status s) {
+    if (callbacks.fetch_add(1) == 0) result.set_value(s);
+  });
+  for (int i = 0; i < 500 && service_.slow_started.load() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ctx.TryCancel();
+  auto future = result.get_future();
+  ASSERT_EQ(future.wait_for(std::chrono::seconds(10)),
+            std::future_status::ready);
+  EXPECT_EQ(future.get().code(), absl::StatusCode::kCancelled);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(callbacks.load(), 1);
+}
+
+TEST_P(E2ETest, CancelBeforeStartFailsWithoutSending) {
+  ClientContext ctx;
+  ctx.TryCancel();
+  EchoRequest req;
+  EchoResponse resp;
+  EXPECT_EQ(stub_->Echo(&ctx, req, &resp).code(),
+            absl::StatusCode::kCancelled);
+  EXPECT_EQ(service_.echo_calls.load(), 0);
+}
+
+TEST_P(E2ETest, ReusedContextIsRejected) {
+  ClientContext ctx;
+  EchoRequest req;
+  EchoResponse resp;
+  ASSERT_TRUE(stub_->Echo(&ctx, req, &resp).ok());
+  EXPECT_EQ(stub_->Echo(&ctx, req, &resp).code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_P(E2ETest, ServerShutdownWithCallsInFlightRunsEveryCallbackOnce) {
+  constexpr int kCalls = 8;
+  struct Call {
+    ClientContext ctx;
+    EchoRequest req;
+    EchoResponse resp;
+    std::atomic<int> callbacks{0};
+    rdmarpc::Status status;
+  };
+  std::vector<std::unique_ptr<Call>> calls;
+  std::mutex mu;
+  std::condition_variable cv;
+  int done = 0;
+  for (int i = 0; i < kCalls; ++i) {
+    auto c = std::make_unique<Call>();
+    c->req.set_sleep_ms(30000);
+    Call* raw = c.get();
+    stub_->Slow(&raw->ctx, raw->req, &raw->resp, [&, raw](rdmarpc::Status s) {
+      raw->status = s;
+      raw->callbacks.fetch_add(1);
+      std::lock_guard<std::mutex> lock(mu);
+      ++done;
+      cv.notify_all();
+    });
+    calls.push_back(std::move(c));
+  }
+  for (int i = 0; i < 500 && service_.slow_started.load() < kCalls; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  server_->Shutdown(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(100));
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(20),
+                            [&] { return done == kCalls; }));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  for (const auto& c : calls) {
+    EXPECT_EQ(c->callbacks.load(), 1);
+    EXPECT_FALSE(c->status.ok());
+  }
+  // A call after shutdown fails cleanly too.
+  ClientContext ctx;
+  ctx.set_timeout(std::chrono::seconds(2));
+  EchoRequest req;
+  EchoResponse resp;
+  EXPECT_FALSE(stub_->Echo(&ctx, req, &resp).ok());
+}
+
+TEST_P(E2ETest, SixtyFourConcurrentCallers) {
+  constexpr int kThreads = 64;
+  constexpr int kCallsEach = 10;
+  std::atomic<int> ok{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kCallsEach; ++i) {
+        std::vector<uint8_t> bytes = Pattern(1000 + t * 37 + i, t * 100 + i);
+        ClientContext ctx;
+        EchoRequest req;
+        req.set_note(std::to_string(t));
+        if (!ctx.tensors()
+                 .Set(req.mutable_tensor(), rdmarpc::DTYPE_U8,
+                      {static_cast<int64_t>(bytes.size())},
+                      TensorBuffer::Borrow(bytes.data(), bytes.size()))
+                 .ok()) {
+          continue;
+        }
+        EchoResponse resp;
+        if (!stub_->Echo(&ctx, req, &resp).ok()) continue;
+        auto out = ctx.tensors().Get(resp.tensor());
+        if (out.ok() && resp.note() == std::to_string(t) &&
+            out->size() == bytes.size() &&
+            std::memcmp(out->data(), bytes.data(), bytes.size()) == 0) {
+          ++ok;
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(ok.load(), kThreads * kCallsEach);
+}
+
+TEST_P(E2ETest, CallbackAndFutureFormsComplete) {
+  std::vector<uint8_t> bytes = Pattern(4096, 7);
+  ClientContext c1;
+  EchoRequest req;
+  ASSERT_TRUE(c1.tensors()
+                  .Set(req.mutable_tensor(), rdmarpc::DTYPE_U8, {4096},
+                       TensorBuffer::Borrow(bytes.data(), bytes.size()))
+                  .ok());
+  EchoResponse r1;
+  std::promise<rdmarpc::Status> p;
+  stub_->Echo(&c1, req, &r1, [&](rdmarpc::Status s) { p.set_value(s); });
+  ASSERT_TRUE(p.get_future().get().ok());
+  EXPECT_EQ(c1.tensors().Get(r1.tensor())->size(), 4096u);
+
+  ClientContext c2;
+  EchoRequest req2;
+  ASSERT_TRUE(c2.tensors()
+                  .Set(req2.mutable_tensor(), rdmarpc::DTYPE_U8, {4096},
+                       TensorBuffer::Borrow(bytes.data(), bytes.size()))
+                  .ok());
+  EchoResponse r2;
+  std::future<rdmarpc::Status> f = stub_->EchoFuture(&c2, req2, &r2);
+  ASSERT_TRUE(f.get().ok());
+  auto out = c2.tensors().Get(r2.tensor());
+  ASSERT_TRUE(out.ok());
+  EXPECT_EQ(0, std::memcmp(out->data(), bytes.data(), bytes.size()));
+}
+
+TEST_P(E2ETest, MetadataReachesHandler) {
+  ClientContext ctx;
+  ctx.AddMetadata("x-echo", "from-client");
+  EchoRequest req;
+  req.set_note("n");
+  EchoResponse resp;
+  ASSERT_TRUE(stub_->Echo(&ctx, req, &resp).ok());
+  EXPECT_EQ(resp.note(), "n|from-client");
+}
+
+TEST_P(E2ETest, BadTensorDescriptionIsRejectedBeforeSending) {
+  ClientContext ctx;
+  EchoRequest req;
+  std::vector<uint8_t> bytes(10);
+  rdmarpc::Status s = ctx.tensors().Set(
+      req.mutable_tensor(), rdmarpc::DTYPE_F32, {3},
+      TensorBuffer::Borrow(bytes.data(), bytes.size()));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  // A field changed after Set() fails the call, not the process.
+  ClientContext ctx2;
+  EchoRequest req2;
+  ASSERT_TRUE(ctx2.tensors()
+                  .Set(req2.mutable_tensor(), rdmarpc::DTYPE_U8, {10},
+                       TensorBuffer::Borrow(bytes.data(), bytes.size()))
+                  .ok());
+  req2.mutable_tensor()->add_shape(2);
+  EchoResponse resp;
+  EXPECT_EQ(stub_->Echo(&ctx2, req2, &resp).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace rdmarpc_test

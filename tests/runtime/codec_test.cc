@@ -1,0 +1,136 @@
+// Walk order and the checks on received tensors (runtime/codec.h).
+#include "runtime/codec.h"
+
+#include <gtest/gtest.h>
+
+#include "runtime/tensor_walk.h"
+#include "runtime_test.pb.h"
+
+namespace rdmarpc::internal {
+namespace {
+
+using rdmarpc_runtime_test::Outer;
+
+Outer Sample() {
+  Outer o;
+  o.mutable_first()->set_dtype(DTYPE_U8);
+  o.add_extras()->set_dtype(DTYPE_I8);
+  o.add_extras()->set_dtype(DTYPE_I16);
+  auto* l = o.add_layers();
+  l->mutable_bias()->set_dtype(DTYPE_F32);
+  l->mutable_weights()->set_dtype(DTYPE_F64);
+  o.add_layers()->mutable_weights()->set_dtype(DTYPE_BF16);
+  return o;
+}
+
+TEST(TensorWalkTest, DepthFirstInFieldNumberOrder) {
+  Outer o = Sample();
+  std::vector<const Tensor*> found;
+  ASSERT_TRUE(CollectTensors(o, &found).ok());
+  std::vector<DType> order;
+  for (const Tensor* t : found) order.push_back(t->dtype());
+  EXPECT_EQ(order, (std::vector<DType>{DTYPE_U8, DTYPE_I8, DTYPE_I16,
+                                       DTYPE_F32, DTYPE_F64, DTYPE_BF16}));
+  // The receiver's walk over the parsed bytes sees the same order.
+  Outer parsed;
+  ASSERT_TRUE(parsed.ParseFromString(o.SerializeAsString()));
+  std::vector<Tensor*> again;
+  ASSERT_TRUE(CollectMutableTensors(&parsed, &again).ok());
+  ASSERT_EQ(again.size(), found.size());
+  for (size_t i = 0; i < again.size(); ++i) {
+    EXPECT_EQ(again[i]->dtype(), found[i]->dtype());
+  }
+}
+
+TEST(TensorWalkTest, MapsHoldingTensorsAreRefused) {
+  Outer o;
+  (*o.mutable_labels())["k"] = "v";  // a map without tensors is fine
+  std::vector<const Tensor*> found;
+  EXPECT_TRUE(CollectTensors(o, &found).ok());
+  (*o.mutable_named())["x"].mutable_bias()->set_dtype(DTYPE_U8);
+  Status s = CollectTensors(o, &found);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("map"), absl::string_view::npos) << s;
+}
+
+Outer OneTensor(DType dtype, std::vector<int64_t> shape) {
+  Outer o;
+  o.mutable_first()->set_dtype(dtype);
+  for (int64_t d : shape) o.mutable_first()->add_shape(d);
+  return o;
+}
+
+TEST(AcceptIncomingTest, AllocatesAndBindsOutOfBandTensors) {
+  Outer o = OneTensor(DTYPE_F32, {4, 4});
+  CallTensors tensors;
+  IncomingPart part{true, 64};
+  auto r = AcceptIncoming(&o, {&part, 1}, Device::Host(), 1 << 20, nullptr,
+                          &tensors);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->landing.size(), 1u);
+  EXPECT_EQ(r->landing[0].size(), 64u);
+  EXPECT_EQ(tensors.Get(o.first())->data(), r->landing[0].data());
+  EXPECT_EQ(o.first().byte_size(), 64u);
+}
+
+TEST(AcceptIncomingTest, RejectsWhatAPeerMustNotSend) {
+  struct Case {
+    const char* name;
+    Outer msg;
+    std::vector<IncomingPart> parts;
+    uint64_t budget;
+    absl::StatusCode code;
+  };
+  Outer with_inline = OneTensor(DTYPE_U8, {3});
+  with_inline.mutable_first()->set_data("abc");
+  Outer bad_byte_size = OneTensor(DTYPE_U8, {3});
+  bad_byte_size.mutable_first()->set_byte_size(4);
+  std::vector<Case> cases = {
+      {"count", OneTensor(DTYPE_U8, {3}), {{true, 3}, {true, 3}}, 1 << 20,
+       absl::StatusCode::kInvalidArgument},
+      {"size", OneTensor(DTYPE_U8, {3}), {{true, 4}}, 1 << 20,
+       absl::StatusCode::kInvalidArgument},
+      {"dtype", OneTensor(static_cast<DType>(99), {3}), {{true, 3}}, 1 << 20,
+       absl::StatusCode::kInvalidArgument},
+      {"negative", OneTensor(DTYPE_U8, {-3}), {{true, 0}}, 1 << 20,
+       absl::StatusCode::kInvalidArgument},
+      {"both", with_inline, {{true, 3}}, 1 << 20,
+       absl::StatusCode::kInvalidArgument},
+      {"inline short", OneTensor(DTYPE_U8, {3}), {{false, 3}}, 1 << 20,
+       absl::StatusCode::kInvalidArgument},
+      {"byte_size", bad_byte_size, {{true, 3}}, 1 << 20,
+       absl::StatusCode::kInvalidArgument},
+      {"budget", OneTensor(DTYPE_U8, {4096}), {{true, 4096}}, 4095,
+       absl::StatusCode::kResourceExhausted},
+  };
+  for (Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    CallTensors tensors;
+    auto r = AcceptIncoming(&c.msg, c.parts, Device::Host(), c.budget,
+                            nullptr, &tensors);
+    EXPECT_EQ(r.status().code(), c.code) << r.status();
+    EXPECT_EQ(tensors.Find(c.msg.first()), nullptr);
+  }
+}
+
+TEST(PlanOutgoingTest, BoundTensorsGoOutOfBandOthersInline) {
+  Outer o;
+  o.mutable_first()->set_dtype(DTYPE_U8);
+  o.mutable_first()->add_shape(2);
+  o.mutable_first()->set_data("hi");
+  CallTensors tensors;
+  char bytes[8] = {};
+  ASSERT_TRUE(tensors
+                  .Set(o.add_extras(), DTYPE_I32, {2},
+                       TensorBuffer::Borrow(bytes, sizeof(bytes)))
+                  .ok());
+  auto plan = PlanOutgoing(o, tensors);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->tensors.size(), 2u);
+  EXPECT_FALSE(plan->tensors[0].out_of_band);
+  EXPECT_TRUE(plan->tensors[1].out_of_band);
+  EXPECT_EQ(plan->total_bytes, 10u);
+}
+
+}  // namespace
+}  // namespace rdmarpc::internal

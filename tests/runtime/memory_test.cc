@@ -1,0 +1,64 @@
+#include "rdmarpc/memory.h"
+
+#include <cstring>
+
+#include <gtest/gtest.h>
+
+namespace rdmarpc {
+namespace {
+
+TEST(TensorBufferTest, AllocateOwnsAndSharesBytes) {
+  auto b = TensorBuffer::Allocate(100);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->size(), 100u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(b->data()) % 64, 0u);
+  TensorBuffer copy = *b;
+  EXPECT_EQ(copy.data(), b->data());
+  TensorBuffer part = b->Slice(10, 20);
+  EXPECT_EQ(static_cast<char*>(part.data()), static_cast<char*>(b->data()) + 10);
+  EXPECT_EQ(part.size(), 20u);
+}
+
+TEST(TensorBufferTest, ShareKeepsOwnerAlive) {
+  auto owner = std::make_shared<std::vector<char>>(8, 'z');
+  std::weak_ptr<std::vector<char>> watch = owner;
+  TensorBuffer b = TensorBuffer::Share(owner, owner->data(), owner->size());
+  owner.reset();
+  EXPECT_FALSE(watch.expired());
+  EXPECT_EQ(static_cast<char*>(b.data())[7], 'z');
+  b = TensorBuffer();
+  EXPECT_TRUE(watch.expired());
+}
+
+TEST(HostMemoryPoolTest, AllocatesFreesAndCoalesces) {
+  auto pool = NewHostMemoryPool(1 << 20);
+  ASSERT_NE(pool, nullptr);
+  ASSERT_EQ(pool->Regions().size(), 1u);
+  const auto region = pool->Regions()[0];
+  {
+    auto a = pool->Allocate(600 << 10);
+    ASSERT_TRUE(a.ok());
+    EXPECT_GE(a->data(), region.base);
+    // Not enough left for a second big buffer.
+    EXPECT_EQ(pool->Allocate(600 << 10).status().code(),
+              absl::StatusCode::kResourceExhausted);
+    auto b = pool->Allocate(100);
+    ASSERT_TRUE(b.ok());
+    std::memset(b->data(), 1, 100);
+  }
+  // Both freed and merged: the whole pool is one block again.
+  auto all = pool->Allocate(1 << 20);
+  EXPECT_TRUE(all.ok()) << all.status();
+}
+
+TEST(CudaTest, UnavailableIsReportedNotFatal) {
+  if (CudaDeviceCount() > 0) GTEST_SKIP() << "this machine has a GPU";
+  Status s = CudaDeviceStatus(0);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_FALSE(s.message().empty());
+  EXPECT_EQ(TensorBuffer::Allocate(16, Device::Cuda(0)).status().code(),
+            absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace rdmarpc

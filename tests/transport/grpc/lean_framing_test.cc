@@ -1,0 +1,210 @@
+// Malformed bytes on the lean framing: a raw gRPC client sends what a buggy
+// or hostile peer would. Each gets INVALID_ARGUMENT (or RESOURCE_EXHAUSTED
+// for an oversized announcement) with a clear message, and the server keeps
+// serving well-formed calls.
+#include <future>
+#include <string>
+#include <vector>
+
+#include <grpcpp/create_channel.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/support/client_callback.h>
+#include <gtest/gtest.h>
+
+#include "e2e_test.rdmarpc.pb.h"
+#include "rdmarpc/rdmarpc.h"
+#include "transport/grpc/lean_frame.pb.h"
+
+namespace {
+
+using rdmarpc::grpc_transport::LeanHead;
+
+constexpr char kEcho[] = "/rdmarpc_test.E2E/Echo";
+
+class RawCall final
+    : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  RawCall(grpc::GenericStub* stub, std::vector<std::string> messages,
+          std::string framing)
+      : messages_(std::move(messages)) {
+    ctx_.AddMetadata("rdmarpc-framing", framing);
+    ctx_.set_deadline(std::chrono::system_clock::now() +
+                      std::chrono::seconds(10));
+    stub->PrepareBidiStreamingCall(&ctx_, kEcho, grpc::StubOptions(), this);
+    StartRead(&in_);
+    WriteNext();
+    StartCall();
+  }
+  grpc::Status Wait() { return result_.get_future().get(); }
+
+  void OnWriteDone(bool ok) override {
+    if (ok) WriteNext();
+  }
+  void OnReadDone(bool ok) override {
+    if (ok) StartRead(&in_);
+  }
+  void OnDone(const grpc::Status& s) override { result_.set_value(s); }
+
+ private:
+  void WriteNext() {
+    if (next_ == messages_.size()) {
+      StartWritesDone();
+      return;
+    }
+    grpc::Slice slice(messages_[next_]);
+    out_ = grpc::ByteBuffer(&slice, 1);
+    ++next_;
+    StartWrite(&out_);
+  }
+
+  std::vector<std::string> messages_;
+  size_t next_ = 0;
+  grpc::ClientContext ctx_;
+  grpc::ByteBuffer out_, in_;
+  std::promise<grpc::Status> result_;
+};
+
+class EchoImpl final : public rdmarpc_test::E2E::Service {
+  rdmarpc::Status Echo(rdmarpc::ServerContext* ctx,
+                       const rdmarpc_test::EchoRequest& req,
+                       rdmarpc_test::EchoResponse* resp) override {
+    ++calls;
+    if (!req.has_tensor()) return absl::OkStatus();
+    RDMARPC_ASSIGN_OR_RETURN(auto in, ctx->tensors().Get(req.tensor()));
+    return ctx->tensors().Set(resp->mutable_tensor(), in);
+  }
+
+ public:
+  std::atomic<int> calls{0};
+};
+
+class LeanFramingTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    int port = 0;
+    auto server = rdmarpc::ServerBuilder()
+                      .AddListeningPort("127.0.0.1:0", &port)
+                      .RegisterService(&impl_)
+                      .BuildAndStart();
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+    target_ = "127.0.0.1:" + std::to_string(port);
+    raw_channel_ =
+        grpc::CreateChannel(target_, grpc::InsecureChannelCredentials());
+    raw_stub_ = std::make_unique<grpc::GenericStub>(raw_channel_);
+  }
+
+  grpc::Status Send(std::vector<std::string> messages,
+                    std::string framing = "lean-1") {
+    RawCall call(raw_stub_.get(), std::move(messages), std::move(framing));
+    return call.Wait();
+  }
+
+  // A head for an EchoRequest with one u8 tensor of `dim` elements whose
+  // announced out-of-band size is `announced`.
+  static std::string Head(int64_t dim, uint64_t announced, int parts = 1,
+                          uint32_t version = 1) {
+    rdmarpc_test::EchoRequest req;
+    req.mutable_tensor()->set_dtype(rdmarpc::DTYPE_U8);
+    req.mutable_tensor()->add_shape(dim);
+    LeanHead head;
+    head.set_version(version);
+    head.set_message(req.SerializeAsString());
+    for (int i = 0; i < parts; ++i) {
+      auto* p = head.add_tensors();
+      p->set_out_of_band(true);
+      p->set_size(announced);
+    }
+    return head.SerializeAsString();
+  }
+
+  void ExpectServerStillServes() {
+    auto stub = rdmarpc_test::E2E::NewStub(rdmarpc::CreateChannel(target_));
+    std::vector<uint8_t> bytes(1000, 7);
+    rdmarpc::ClientContext ctx;
+    rdmarpc_test::EchoRequest req;
+    ASSERT_TRUE(ctx.tensors()
+                    .Set(req.mutable_tensor(), rdmarpc::DTYPE_U8, {1000},
+                         rdmarpc::TensorBuffer::Borrow(bytes.data(), 1000))
+                    .ok());
+    rdmarpc_test::EchoResponse resp;
+    rdmarpc::Status s = stub->Echo(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(ctx.tensors().Get(resp.tensor())->size(), 1000u);
+  }
+
+  void ExpectRejected(const grpc::Status& s, grpc::StatusCode code,
+                      const std::string& phrase) {
+    EXPECT_EQ(s.error_code(), code) << s.error_message();
+    EXPECT_NE(s.error_message().find(phrase), std::string::npos)
+        << "message was: " << s.error_message();
+    EXPECT_EQ(impl_.calls.load(), 0) << "a malformed call reached the handler";
+    ExpectServerStillServes();
+  }
+
+  EchoImpl impl_;
+  std::unique_ptr<rdmarpc::Server> server_;
+  std::string target_;
+  std::shared_ptr<grpc::Channel> raw_channel_;
+  std::unique_ptr<grpc::GenericStub> raw_stub_;
+};
+
+TEST_F(LeanFramingTest, GarbageHead) {
+  ExpectRejected(Send({std::string("\xff\xff\xff\xff\x0f", 5)}),
+                 grpc::StatusCode::INVALID_ARGUMENT, "not a valid LeanHead");
+}
+
+TEST_F(LeanFramingTest, UnknownVersion) {
+  ExpectRejected(Send({Head(4, 4, 1, 99)}), grpc::StatusCode::INVALID_ARGUMENT,
+                 "unsupported version 99");
+}
+
+TEST_F(LeanFramingTest, UnknownFraming) {
+  ExpectRejected(Send({Head(4, 4)}, "lean-9"),
+                 grpc::StatusCode::INVALID_ARGUMENT, "unsupported rdmarpc framing");
+}
+
+TEST_F(LeanFramingTest, MessageThatDoesNotParse) {
+  LeanHead head;
+  head.set_version(1);
+  head.set_message(std::string("\xff\xff\xff", 3));
+  ExpectRejected(Send({head.SerializeAsString()}),
+                 grpc::StatusCode::INVALID_ARGUMENT, "does not parse");
+}
+
+TEST_F(LeanFramingTest, FewerBytesThanAnnounced) {
+  ExpectRejected(Send({Head(100, 100), std::string(50, 'x')}),
+                 grpc::StatusCode::INVALID_ARGUMENT, "stopped before");
+}
+
+TEST_F(LeanFramingTest, MoreBytesThanAnnounced) {
+  ExpectRejected(Send({Head(10, 10), std::string(11, 'x')}),
+                 grpc::StatusCode::INVALID_ARGUMENT, "more tensor bytes");
+}
+
+TEST_F(LeanFramingTest, TensorCountMismatch) {
+  ExpectRejected(Send({Head(10, 10, 2), std::string(20, 'x')}),
+                 grpc::StatusCode::INVALID_ARGUMENT, "announced 2 tensors");
+}
+
+TEST_F(LeanFramingTest, SizeDisagreesWithShape) {
+  ExpectRejected(Send({Head(10, 100), std::string(100, 'x')}),
+                 grpc::StatusCode::INVALID_ARGUMENT, "announced 100 bytes");
+}
+
+TEST_F(LeanFramingTest, NegativeDimension) {
+  ExpectRejected(Send({Head(-5, 0)}), grpc::StatusCode::INVALID_ARGUMENT,
+                 "negative dimension");
+}
+
+TEST_F(LeanFramingTest, HugeAnnouncementIsRefusedWithoutAllocating) {
+  const int64_t tib = int64_t{1} << 40;
+  ExpectRejected(Send({Head(tib, static_cast<uint64_t>(tib))}),
+                 grpc::StatusCode::RESOURCE_EXHAUSTED, "limit");
+}
+
+TEST_F(LeanFramingTest, NoMessagesAtAll) {
+  ExpectRejected(Send({}), grpc::StatusCode::INVALID_ARGUMENT, "no head");
+}
+
+}  // namespace

@@ -1,0 +1,215 @@
+#include "transport/grpc/grpc_client.h"
+
+#include <climits>
+#include <mutex>
+#include <utility>
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/support/channel_arguments.h>
+#include <grpcpp/support/client_callback.h>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/codec.h"
+#include "runtime/completion.h"
+#include "transport/grpc/lean_codec.h"
+#include "transport/grpc/status_convert.h"
+
+namespace rdmarpc::grpc_transport {
+namespace {
+
+// Lets ClientContext::TryCancel reach the grpc::ClientContext while the
+// call runs, and nothing after.
+class GrpcCanceller final : public internal::CallCanceller {
+ public:
+  explicit GrpcCanceller(grpc::ClientContext* ctx) : ctx_(ctx) {}
+  void Cancel() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (ctx_ != nullptr) ctx_->TryCancel();
+  }
+  void Detach() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ctx_ = nullptr;
+  }
+
+ private:
+  std::mutex mu_;
+  grpc::ClientContext* ctx_;
+};
+
+// One call: writes the lean request, reads the lean response. Deletes itself
+// in OnDone. The user's callback runs when both the call is done and gRPC has
+// released every slice that references the request's tensor memory.
+class ClientCallReactor final
+    : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  ClientCallReactor(internal::ClientCall call, size_t chunk_bytes)
+      : call_(std::move(call)),
+        chunk_bytes_(chunk_bytes),
+        receiver_([this](const LeanHead& head) { return OnResponseHead(head); }) {}
+
+  void Start(grpc::GenericStub* stub) {
+    ClientContext* ctx = call_.ctx;
+    auto plan = internal::PlanOutgoing(*call_.request, ctx->tensors());
+    if (!plan.ok()) return FailBeforeStart(plan.status());
+    std::string message;
+    if (!call_.request->SerializeToString(&message)) {
+      return FailBeforeStart(absl::InvalidArgumentError(
+          "request message cannot be serialized (over protobuf's 2 GiB "
+          "limit without its tensors?)"));
+    }
+    CallStats* stats = ctx->mutable_stats();
+    stats->tensor_bytes_sent = plan->total_bytes;
+    for (const auto& t : plan->tensors) {
+      if (!t.out_of_band) stats->cpu_copied_bytes += t.size;  // serialized
+    }
+    completion_ = std::make_shared<internal::DeferredCompletion>();
+    sender_.emplace(MakeHead(std::move(message), *plan, call_.call_id), *plan,
+                    chunk_bytes_, completion_);
+
+    gctx_.AddMetadata(kFramingKey, kFramingLean);
+    gctx_.AddMetadata(kCallIdKey, absl::StrCat(call_.call_id));
+    for (const auto& [k, v] : ctx->metadata()) gctx_.AddMetadata(k, v);
+    if (ctx->deadline()) gctx_.set_deadline(*ctx->deadline());
+    canceller_ = std::make_shared<GrpcCanceller>(&gctx_);
+    if (!ctx->AttachCanceller(canceller_)) {
+      return FailBeforeStart(absl::CancelledError("call cancelled before start"));
+    }
+
+    stub->PrepareBidiStreamingCall(&gctx_, call_.method, grpc::StubOptions(),
+                                   this);
+    StartRead(&read_buf_);
+    WriteNext();
+    StartCall();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (ok) WriteNext();
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;  // stream ended; OnDone follows
+    Status s = receiver_.OnMessage(read_buf_);
+    if (!s.ok()) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        local_error_ = s;
+      }
+      gctx_.TryCancel();
+      return;
+    }
+    StartRead(&read_buf_);
+  }
+
+  void OnDone(const grpc::Status& grpc_status) override {
+    canceller_->Detach();
+    call_.ctx->DetachCanceller();
+    Status status;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      status = local_error_;
+    }
+    if (status.ok()) status = FromGrpc(grpc_status);
+    if (status.ok()) status = receiver_.OnEnd();
+    if (!status.ok() && status.code() == StatusCode::kCancelled &&
+        call_.ctx->IsCancelled()) {
+      status = absl::CancelledError("call cancelled by the client");
+    }
+    CallStats* stats = call_.ctx->mutable_stats();
+    stats->cpu_copied_bytes += sender_->cpu_copied_bytes() +
+                               receiver_.cpu_copied_bytes() +
+                               accept_copied_;
+    stats->tensor_bytes_received = received_bytes_;
+    // The callback waits for gRPC to drop the request's slices (they may
+    // reference borrowed memory); they go at the latest with gctx_ below.
+    completion_->Arm(std::move(call_.done), std::move(status));
+    completion_.reset();
+    sender_.reset();
+    delete this;
+  }
+
+ private:
+  void FailBeforeStart(Status s) {
+    auto done = std::move(call_.done);
+    delete this;
+    done(std::move(s));
+  }
+
+  void WriteNext() {
+    bool last = false;
+    auto more = sender_->Next(&write_buf_, &last);
+    if (!more.ok()) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        local_error_ = more.status();
+      }
+      gctx_.TryCancel();
+      return;
+    }
+    if (!*more) return;
+    if (last) {
+      StartWriteLast(&write_buf_, grpc::WriteOptions());
+    } else {
+      StartWrite(&write_buf_);
+    }
+  }
+
+  StatusOr<std::vector<TensorBuffer>> OnResponseHead(const LeanHead& head) {
+    google::protobuf::Message* resp = call_.response;
+    resp->Clear();
+    if (!resp->ParseFromString(head.message())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "response does not parse as ", resp->GetTypeName()));
+    }
+    std::vector<internal::IncomingPart> parts;
+    parts.reserve(head.tensors_size());
+    for (const TensorPart& p : head.tensors()) {
+      parts.push_back({p.out_of_band(), p.size()});
+    }
+    RDMARPC_ASSIGN_OR_RETURN(
+        internal::IncomingResult r,
+        internal::AcceptIncoming(resp, parts,
+                                 call_.ctx->response_placement(),
+                                 call_.max_response_tensor_bytes, nullptr,
+                                 &call_.ctx->tensors()));
+    received_bytes_ = r.total_bytes;
+    accept_copied_ = r.cpu_copied_bytes;
+    return std::move(r.landing);
+  }
+
+  internal::ClientCall call_;
+  size_t chunk_bytes_;
+  grpc::ClientContext gctx_;
+  std::shared_ptr<GrpcCanceller> canceller_;
+  std::shared_ptr<internal::DeferredCompletion> completion_;
+  std::optional<LeanSender> sender_;
+  LeanReceiver receiver_;
+  grpc::ByteBuffer write_buf_;
+  grpc::ByteBuffer read_buf_;
+  std::mutex mu_;
+  Status local_error_;
+  uint64_t received_bytes_ = 0;
+  uint64_t accept_copied_ = 0;
+};
+
+}  // namespace
+
+GrpcClientTransport::GrpcClientTransport(const std::string& target,
+                                         const ChannelOptions& options)
+    : channel_([&] {
+        grpc::ChannelArguments args;
+        // Tensors travel in chunks, but a plain message may still be large.
+        args.SetMaxReceiveMessageSize(-1);
+        args.SetMaxSendMessageSize(-1);
+        return grpc::CreateCustomChannel(
+            target, grpc::InsecureChannelCredentials(), args);
+      }()),
+      stub_(channel_),
+      chunk_bytes_(options.grpc_chunk_bytes) {}
+
+void GrpcClientTransport::Start(internal::ClientCall call) {
+  (new ClientCallReactor(std::move(call), chunk_bytes_))->Start(&stub_);
+}
+
+}  // namespace rdmarpc::grpc_transport

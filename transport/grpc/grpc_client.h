@@ -1,0 +1,32 @@
+// The gRPC client transport: carries calls on the server's gRPC port with
+// the lean framing (tensor bytes as separate slices, no copy of host memory).
+#ifndef RDMARPC_TRANSPORT_GRPC_GRPC_CLIENT_H_
+#define RDMARPC_TRANSPORT_GRPC_GRPC_CLIENT_H_
+
+#include <memory>
+#include <string>
+
+#include <grpcpp/channel.h>
+#include <grpcpp/generic/generic_stub.h>
+
+#include "rdmarpc/channel.h"
+#include "runtime/transport.h"
+
+namespace rdmarpc::grpc_transport {
+
+class GrpcClientTransport final : public internal::ClientTransport {
+ public:
+  GrpcClientTransport(const std::string& target, const ChannelOptions& options);
+
+  TransportKind kind() const override { return TransportKind::kGrpc; }
+  void Start(internal::ClientCall call) override;
+
+ private:
+  std::shared_ptr<grpc::Channel> channel_;
+  grpc::GenericStub stub_;
+  size_t chunk_bytes_;
+};
+
+}  // namespace rdmarpc::grpc_transport
+
+#endif  // RDMARPC_TRANSPORT_GRPC_GRPC_CLIENT_H_

@@ -1,0 +1,296 @@
+#include "transport/grpc/grpc_server.h"
+
+#include <climits>
+#include <mutex>
+#include <optional>
+
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_builder.h>
+#include <grpcpp/support/proto_buffer_reader.h>
+#include <grpcpp/impl/codegen/proto_utils.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "runtime/codec.h"
+#include "runtime/tensor_walk.h"
+#include "transport/grpc/lean_codec.h"
+#include "transport/grpc/status_convert.h"
+
+namespace rdmarpc::grpc_transport {
+namespace {
+
+using google::protobuf::Message;
+
+// One server call. Reads the request (plain or lean), hands it to the
+// dispatcher, writes the response the way the request came. Deletes itself
+// in OnDone, which gRPC runs only after Finish.
+class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
+ public:
+  ServerCallReactor(grpc::GenericCallbackServerContext* gctx,
+                    internal::Dispatcher* dispatcher)
+      : gctx_(gctx), dispatcher_(dispatcher) {}
+
+  void Begin() {
+    const internal::ServerMethod* method = dispatcher_->Find(gctx_->method());
+    if (method == nullptr) {
+      return FinishOnce(absl::UnimplementedError(absl::StrCat(
+          "method ", gctx_->method(), " is not served by this server")));
+    }
+    state_ = std::make_shared<internal::ServerCallState>(method,
+                                                         TransportKind::kGrpc);
+    state_->peer = gctx_->peer();
+    if (gctx_->deadline() != std::chrono::system_clock::time_point::max()) {
+      state_->deadline = gctx_->deadline();
+    }
+    for (const auto& [k, v] : gctx_->client_metadata()) {
+      std::string key(k.data(), k.size());
+      std::string value(v.data(), v.size());
+      if (key == kFramingKey) {
+        if (value != kFramingLean) {
+          return FinishOnce(absl::InvalidArgumentError(absl::StrCat(
+              "unsupported rdmarpc framing '", value, "' (this server speaks ",
+              kFramingLean, ")")));
+        }
+        lean_ = true;
+      } else if (key == kCallIdKey) {
+        if (!absl::SimpleAtoi(value, &state_->call_id)) {
+          return FinishOnce(absl::InvalidArgumentError(
+              absl::StrCat("malformed ", kCallIdKey, " '", value, "'")));
+        }
+      } else {
+        state_->client_metadata.emplace(std::move(key), std::move(value));
+      }
+    }
+    request_.reset(method->descriptor.request_prototype->New());
+    if (lean_) {
+      receiver_.emplace([this](const LeanHead& head) { return OnHead(head); });
+    }
+    StartRead(&read_buf_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (lean_) {
+      if (ok) {
+        Status s = receiver_->OnMessage(read_buf_);
+        if (!s.ok()) return FinishOnce(s);
+        return StartRead(&read_buf_);
+      }
+      Status s = receiver_->OnEnd();
+      if (!s.ok()) return FinishOnce(s);
+      return Dispatch();
+    }
+    if (!ok) {
+      return FinishOnce(
+          absl::InvalidArgumentError("client sent no request message"));
+    }
+    Status s = AcceptPlain();
+    if (!s.ok()) return FinishOnce(s);
+    Dispatch();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) return FinishOnce(absl::CancelledError("response write failed"));
+    WriteNext();
+  }
+
+  void OnCancel() override {
+    if (state_) state_->cancelled.store(true);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  StatusOr<std::vector<TensorBuffer>> OnHead(const LeanHead& head) {
+    if (!request_->ParseFromString(head.message())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request does not parse as ", request_->GetTypeName()));
+    }
+    if (head.call_id() != 0) state_->call_id = head.call_id();
+    std::vector<internal::IncomingPart> parts;
+    parts.reserve(head.tensors_size());
+    for (const TensorPart& p : head.tensors()) {
+      parts.push_back({p.out_of_band(), p.size()});
+    }
+    RDMARPC_ASSIGN_OR_RETURN(
+        internal::IncomingResult r,
+        internal::AcceptIncoming(request_.get(), parts,
+                                 state_->method().placement,
+                                 dispatcher_->max_request_tensor_bytes(),
+                                 request_, &state_->tensors));
+    return std::move(r.landing);
+  }
+
+  Status AcceptPlain() {
+    grpc::ProtoBufferReader reader(&read_buf_);
+    if (!request_->ParseFromZeroCopyStream(&reader)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request does not parse as ", request_->GetTypeName()));
+    }
+    // A plain peer sends every tensor inline; AcceptIncoming checks each
+    // against its dtype and shape.
+    std::vector<const Tensor*> fields;
+    RDMARPC_RETURN_IF_ERROR(internal::CollectTensors(*request_, &fields));
+    std::vector<internal::IncomingPart> parts;
+    parts.reserve(fields.size());
+    for (const Tensor* t : fields) parts.push_back({false, t->data().size()});
+    return internal::AcceptIncoming(request_.get(), parts,
+                                    state_->method().placement,
+                                    dispatcher_->max_request_tensor_bytes(),
+                                    request_, &state_->tensors)
+        .status();
+  }
+
+  void Dispatch() {
+    dispatcher_->Execute(
+        state_, request_,
+        [this](Status s, std::unique_ptr<Message> response) {
+          Respond(std::move(s), std::move(response));
+        });
+  }
+
+  // Runs on a worker thread once the handler returned.
+  void Respond(Status s, std::unique_ptr<Message> response) {
+    if (!s.ok()) return FinishOnce(s);
+    if (state_->cancelled.load()) {
+      return FinishOnce(absl::CancelledError("call cancelled"));
+    }
+    response_ = std::move(response);
+    if (!lean_) return RespondPlain();
+    auto plan = internal::PlanOutgoing(*response_, state_->tensors);
+    if (!plan.ok()) return FinishOnce(HandlerError(plan.status()));
+    std::string message;
+    if (!response_->SerializeToString(&message)) {
+      return FinishOnce(absl::InternalError(
+          "response message cannot be serialized (over protobuf's 2 GiB "
+          "limit without its tensors?)"));
+    }
+    sender_.emplace(MakeHead(std::move(message), *plan, 0), *plan,
+                    size_t{1} << 20, nullptr);
+    WriteNext();
+  }
+
+  void RespondPlain() {
+    uint64_t copied = 0;
+    auto inlined = internal::InlineTensors(*response_, state_->tensors, &copied);
+    if (!inlined.ok()) return FinishOnce(HandlerError(inlined.status()));
+    size_t size = (*inlined)->ByteSizeLong();
+    if (size > INT_MAX) {
+      return FinishOnce(absl::ResourceExhaustedError(absl::StrCat(
+          "response is ", size,
+          " bytes with its tensors inline, over protobuf's 2 GiB limit for "
+          "plain gRPC; call with an rdmarpc client, which sends tensors out "
+          "of band")));
+    }
+    bool own = false;
+    grpc::Status ser = grpc::GenericSerialize<grpc::ProtoBufferWriter, Message>(
+        **inlined, &write_buf_, &own);
+    if (!ser.ok()) return FinishOnce(FromGrpc(ser));
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_) return;
+    finished_ = true;
+    StartWriteAndFinish(&write_buf_, grpc::WriteOptions(), grpc::Status::OK);
+  }
+
+  void WriteNext() {
+    bool last = false;
+    auto more = sender_->Next(&write_buf_, &last);
+    if (!more.ok()) return FinishOnce(more.status());
+    if (!*more) return FinishOnce(absl::OkStatus());
+    if (last) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finished_) return;
+      finished_ = true;
+      StartWriteAndFinish(&write_buf_, grpc::WriteOptions(), grpc::Status::OK);
+      return;
+    }
+    StartWrite(&write_buf_);
+  }
+
+  static Status HandlerError(const Status& s) {
+    return absl::InternalError(
+        absl::StrCat("handler built an invalid response: ", s.message()));
+  }
+
+  // Finish must run exactly once; `this` may be gone right after it.
+  void FinishOnce(const Status& s) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finished_) return;
+      finished_ = true;
+    }
+    Finish(ToGrpc(s));
+  }
+
+  grpc::GenericCallbackServerContext* gctx_;
+  internal::Dispatcher* dispatcher_;
+  std::shared_ptr<internal::ServerCallState> state_;
+  std::shared_ptr<Message> request_;
+  std::unique_ptr<Message> response_;
+  bool lean_ = false;
+  std::optional<LeanReceiver> receiver_;
+  std::optional<LeanSender> sender_;
+  grpc::ByteBuffer read_buf_;
+  grpc::ByteBuffer write_buf_;
+  std::mutex mu_;
+  bool finished_ = false;
+};
+
+}  // namespace
+
+class GrpcServerTransport::Service final : public grpc::CallbackGenericService {
+ public:
+  explicit Service(internal::Dispatcher* dispatcher) : dispatcher_(dispatcher) {}
+
+  grpc::ServerGenericBidiReactor* CreateReactor(
+      grpc::GenericCallbackServerContext* gctx) override {
+    auto* reactor = new ServerCallReactor(gctx, dispatcher_);
+    reactor->Begin();
+    return reactor;
+  }
+
+ private:
+  internal::Dispatcher* dispatcher_;
+};
+
+StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::Start(
+    const std::vector<std::pair<std::string, int*>>& ports,
+    internal::Dispatcher* dispatcher) {
+  std::unique_ptr<GrpcServerTransport> t(new GrpcServerTransport());
+  t->service_ = std::make_unique<Service>(dispatcher);
+  grpc::ServerBuilder builder;
+  std::vector<int> bound(ports.size(), 0);
+  for (size_t i = 0; i < ports.size(); ++i) {
+    builder.AddListeningPort(ports[i].first, grpc::InsecureServerCredentials(),
+                             &bound[i]);
+  }
+  builder.RegisterCallbackGenericService(t->service_.get());
+  builder.SetMaxReceiveMessageSize(-1);
+  builder.SetMaxSendMessageSize(-1);
+  t->server_ = builder.BuildAndStart();
+  std::string addresses;
+  for (const auto& p : ports) absl::StrAppend(&addresses, " ", p.first);
+  if (t->server_ == nullptr) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot start the gRPC server on", addresses,
+        " (address in use, or not an address of this machine?)"));
+  }
+  for (size_t i = 0; i < ports.size(); ++i) {
+    if (bound[i] == 0) {
+      t->server_->Shutdown();
+      return absl::UnavailableError(
+          absl::StrCat("cannot listen on ", ports[i].first));
+    }
+    if (ports[i].second != nullptr) *ports[i].second = bound[i];
+  }
+  return t;
+}
+
+GrpcServerTransport::~GrpcServerTransport() = default;
+
+void GrpcServerTransport::Shutdown(
+    std::chrono::system_clock::time_point deadline) {
+  server_->Shutdown(deadline);
+  server_->Wait();
+}
+
+}  // namespace rdmarpc::grpc_transport

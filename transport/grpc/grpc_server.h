@@ -1,0 +1,40 @@
+// The gRPC server transport: every registered method on the gRPC port, both
+// as a plain gRPC method (one protobuf message, tensor bytes inline) for
+// stock clients and in the lean framing for rdmarpc clients.
+#ifndef RDMARPC_TRANSPORT_GRPC_GRPC_SERVER_H_
+#define RDMARPC_TRANSPORT_GRPC_GRPC_SERVER_H_
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <grpcpp/generic/async_generic_service.h>
+#include <grpcpp/server.h>
+
+#include "runtime/transport.h"
+
+namespace rdmarpc::grpc_transport {
+
+class GrpcServerTransport final : public internal::ServerTransport {
+ public:
+  // Binds `ports` (address, optional out-param for the bound port).
+  static StatusOr<std::unique_ptr<GrpcServerTransport>> Start(
+      const std::vector<std::pair<std::string, int*>>& ports,
+      internal::Dispatcher* dispatcher);
+
+  ~GrpcServerTransport() override;
+
+  void Shutdown(std::chrono::system_clock::time_point deadline) override;
+
+ private:
+  class Service;
+  GrpcServerTransport() = default;
+
+  std::unique_ptr<Service> service_;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+}  // namespace rdmarpc::grpc_transport
+
+#endif  // RDMARPC_TRANSPORT_GRPC_GRPC_SERVER_H_

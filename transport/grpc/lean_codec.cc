@@ -1,0 +1,175 @@
+#include "transport/grpc/lean_codec.h"
+
+#include <algorithm>
+#include <vector>
+
+#include <grpcpp/support/proto_buffer_reader.h>
+#include <grpcpp/support/slice.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace rdmarpc::grpc_transport {
+namespace {
+
+// What a no-copy slice keeps alive until gRPC drops it.
+struct SliceRef {
+  TensorBuffer bytes;
+  std::shared_ptr<const void> keep;
+};
+
+void ReleaseSlice(void* p) { delete static_cast<SliceRef*>(p); }
+
+grpc::Slice ReferenceSlice(TensorBuffer bytes,
+                           std::shared_ptr<const void> keep) {
+  void* data = bytes.data();
+  size_t size = bytes.size();
+  auto* ref = new SliceRef{std::move(bytes), std::move(keep)};
+  return grpc::Slice(data, size, &ReleaseSlice, ref);
+}
+
+}  // namespace
+
+LeanHead MakeHead(std::string serialized_message,
+                  const internal::OutgoingPlan& plan, uint64_t call_id) {
+  LeanHead head;
+  head.set_version(kLeanVersion);
+  head.set_message(std::move(serialized_message));
+  head.set_call_id(call_id);
+  for (const internal::OutgoingTensor& t : plan.tensors) {
+    TensorPart* part = head.add_tensors();
+    part->set_out_of_band(t.out_of_band);
+    part->set_size(t.size);
+  }
+  return head;
+}
+
+LeanSender::LeanSender(LeanHead head, const internal::OutgoingPlan& plan,
+                       size_t chunk_bytes, std::shared_ptr<const void> keep)
+    : head_(std::move(head)),
+      chunk_bytes_(std::max<size_t>(chunk_bytes, 4096)),
+      keep_(std::move(keep)) {
+  for (const internal::OutgoingTensor& t : plan.tensors) {
+    if (t.out_of_band) out_of_band_.push_back(t.buffer);
+  }
+  SkipEmpty();
+}
+
+void LeanSender::SkipEmpty() {
+  while (tensor_ < out_of_band_.size() &&
+         offset_ >= out_of_band_[tensor_].size()) {
+    ++tensor_;
+    offset_ = 0;
+  }
+}
+
+bool LeanSender::Done() const {
+  return head_sent_ && tensor_ >= out_of_band_.size();
+}
+
+StatusOr<bool> LeanSender::Next(grpc::ByteBuffer* out, bool* last) {
+  if (Done()) return false;
+  if (!head_sent_) {
+    std::string bytes;
+    if (!head_.SerializeToString(&bytes)) {
+      return absl::InvalidArgumentError(
+          "message is too large to serialize (protobuf's 2 GiB limit applies "
+          "to the non-tensor fields)");
+    }
+    grpc::Slice slice(std::move(bytes));
+    *out = grpc::ByteBuffer(&slice, 1);
+    head_sent_ = true;
+    *last = Done();
+    return true;
+  }
+  const TensorBuffer& t = out_of_band_[tensor_];
+  size_t n = static_cast<size_t>(
+      std::min<uint64_t>(chunk_bytes_, t.size() - offset_));
+  TensorBuffer chunk = t.Slice(offset_, n);
+  if (!chunk.device().is_host()) {
+    // Stage device memory through host memory.
+    RDMARPC_ASSIGN_OR_RETURN(TensorBuffer staged, TensorBuffer::Allocate(n));
+    RDMARPC_RETURN_IF_ERROR(CopyBytes(staged.data(), Device::Host(),
+                                      chunk.data(), chunk.device(), n));
+    copied_ += n;
+    chunk = std::move(staged);
+  }
+  grpc::Slice slice = ReferenceSlice(std::move(chunk), keep_);
+  *out = grpc::ByteBuffer(&slice, 1);
+  offset_ += n;
+  SkipEmpty();
+  *last = Done();
+  return true;
+}
+
+Status LeanReceiver::OnMessage(const grpc::ByteBuffer& message) {
+  return head_seen_ ? OnChunk(message) : OnHead(message);
+}
+
+Status LeanReceiver::OnHead(const grpc::ByteBuffer& message) {
+  head_seen_ = true;
+  LeanHead head;
+  grpc::ByteBuffer copy(message);  // the reader consumes its buffer
+  grpc::ProtoBufferReader reader(&copy);
+  if (!head.ParseFromZeroCopyStream(&reader)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "lean framing: the first message (", message.Length(),
+        " bytes) is not a valid LeanHead"));
+  }
+  if (head.version() != kLeanVersion) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lean framing: unsupported version ", head.version(),
+                     " (this side speaks ", kLeanVersion, ")"));
+  }
+  RDMARPC_ASSIGN_OR_RETURN(landing_, on_head_(head));
+  while (tensor_ < landing_.size() && landing_[tensor_].empty()) ++tensor_;
+  return absl::OkStatus();
+}
+
+Status LeanReceiver::OnChunk(const grpc::ByteBuffer& message) {
+  std::vector<grpc::Slice> slices;
+  if (!message.Dump(&slices).ok()) {
+    return absl::InvalidArgumentError("lean framing: unreadable chunk");
+  }
+  for (const grpc::Slice& s : slices) {
+    const char* src = reinterpret_cast<const char*>(s.begin());
+    size_t left = s.size();
+    while (left > 0) {
+      if (tensor_ >= landing_.size()) {
+        return absl::InvalidArgumentError(
+            "lean framing: peer sent more tensor bytes than its head "
+            "announced");
+      }
+      TensorBuffer& dst = landing_[tensor_];
+      size_t n = static_cast<size_t>(
+          std::min<uint64_t>(left, dst.size() - offset_));
+      RDMARPC_RETURN_IF_ERROR(CopyBytes(static_cast<char*>(dst.data()) +
+                                            offset_,
+                                        dst.device(), src, Device::Host(), n));
+      copied_ += n;
+      src += n;
+      left -= n;
+      offset_ += n;
+      while (tensor_ < landing_.size() &&
+             offset_ >= landing_[tensor_].size()) {
+        ++tensor_;
+        offset_ = 0;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+Status LeanReceiver::OnEnd() const {
+  if (!head_seen_) {
+    return absl::InvalidArgumentError("lean framing: peer sent no head");
+  }
+  if (tensor_ < landing_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "lean framing: peer stopped before sending all tensor bytes (tensor ",
+        tensor_, " of ", landing_.size(), " out-of-band, at byte ", offset_,
+        ")"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace rdmarpc::grpc_transport

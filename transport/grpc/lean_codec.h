@@ -1,0 +1,92 @@
+// Encoding and decoding of the lean framing (see lean_frame.proto) as
+// sequences of gRPC messages. Shared by the gRPC client and server.
+//
+// Ownership: LeanSender's messages reference the tensor bytes without a copy
+// (host memory) through slices that keep a TensorBuffer copy and a `keep`
+// reference alive until gRPC releases them, so a call can delay its
+// completion until the bytes of a borrowed buffer are no longer read.
+#ifndef RDMARPC_TRANSPORT_GRPC_LEAN_CODEC_H_
+#define RDMARPC_TRANSPORT_GRPC_LEAN_CODEC_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include <grpcpp/support/byte_buffer.h>
+
+#include "rdmarpc/memory.h"
+#include "rdmarpc/status.h"
+#include "runtime/codec.h"
+#include "transport/grpc/lean_frame.pb.h"
+
+namespace rdmarpc::grpc_transport {
+
+inline constexpr uint32_t kLeanVersion = 1;
+inline constexpr char kFramingKey[] = "rdmarpc-framing";
+inline constexpr char kFramingLean[] = "lean-1";
+inline constexpr char kCallIdKey[] = "rdmarpc-call-id";
+
+// Builds the head for `serialized_message` and `plan`.
+LeanHead MakeHead(std::string serialized_message,
+                  const internal::OutgoingPlan& plan, uint64_t call_id);
+
+class LeanSender {
+ public:
+  // `keep` is held by every slice that references tensor memory.
+  LeanSender(LeanHead head, const internal::OutgoingPlan& plan,
+             size_t chunk_bytes, std::shared_ptr<const void> keep);
+
+  // Fills `out` with the next message; false when nothing is left. `*last`
+  // tells whether `out` is the final message.
+  StatusOr<bool> Next(grpc::ByteBuffer* out, bool* last);
+
+  uint64_t cpu_copied_bytes() const { return copied_; }
+
+ private:
+  bool Done() const;
+  void SkipEmpty();
+
+  LeanHead head_;
+  bool head_sent_ = false;
+  std::vector<TensorBuffer> out_of_band_;
+  size_t chunk_bytes_;
+  std::shared_ptr<const void> keep_;
+  size_t tensor_ = 0;
+  uint64_t offset_ = 0;
+  uint64_t copied_ = 0;
+};
+
+class LeanReceiver {
+ public:
+  // Called with the head; returns the landing buffers of the out-of-band
+  // tensors in order (see internal::AcceptIncoming).
+  using HeadHandler =
+      std::function<StatusOr<std::vector<TensorBuffer>>(const LeanHead&)>;
+
+  explicit LeanReceiver(HeadHandler on_head) : on_head_(std::move(on_head)) {}
+
+  // Feeds one received message. INVALID_ARGUMENT for a malformed head or
+  // more bytes than announced; errors from the head handler pass through.
+  Status OnMessage(const grpc::ByteBuffer& message);
+  // The peer finished sending: INVALID_ARGUMENT unless the head and every
+  // announced byte arrived.
+  Status OnEnd() const;
+
+  uint64_t cpu_copied_bytes() const { return copied_; }
+
+ private:
+  Status OnHead(const grpc::ByteBuffer& message);
+  Status OnChunk(const grpc::ByteBuffer& message);
+
+  HeadHandler on_head_;
+  bool head_seen_ = false;
+  std::vector<TensorBuffer> landing_;
+  size_t tensor_ = 0;
+  uint64_t offset_ = 0;
+  uint64_t copied_ = 0;
+};
+
+}  // namespace rdmarpc::grpc_transport
+
+#endif  // RDMARPC_TRANSPORT_GRPC_LEAN_CODEC_H_
