@@ -150,6 +150,13 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
 
   // Runs on a worker thread once the handler returned.
   void Respond(Status s, std::unique_ptr<Message> response) {
+    // Past the deadline the client expects DEADLINE_EXCEEDED, whatever the
+    // handler made of its cancellation.
+    if (state_->deadline &&
+        std::chrono::system_clock::now() > *state_->deadline) {
+      return FinishOnce(absl::DeadlineExceededError(
+          "deadline passed before the handler finished"));
+    }
     if (!s.ok()) return FinishOnce(s);
     if (state_->cancelled.load()) {
       return FinishOnce(absl::CancelledError("call cancelled"));
