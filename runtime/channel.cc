@@ -11,9 +11,12 @@ namespace rdmarpc {
 
 const char* PolicyName(TransportPolicy policy) {
   switch (policy) {
-    case TransportPolicy::kAuto: return "auto";
-    case TransportPolicy::kRdma: return "rdma";
-    case TransportPolicy::kGrpc: return "grpc";
+    case TransportPolicy::kAuto:
+      return "auto";
+    case TransportPolicy::kRdma:
+      return "rdma";
+    case TransportPolicy::kGrpc:
+      return "grpc";
   }
   return "unknown";
 }
@@ -22,8 +25,9 @@ StatusOr<TransportPolicy> ParsePolicy(std::string_view name) {
   if (name == "auto") return TransportPolicy::kAuto;
   if (name == "rdma") return TransportPolicy::kRdma;
   if (name == "grpc") return TransportPolicy::kGrpc;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown transport policy '", std::string(name), "' (use auto, rdma or grpc)"));
+  return absl::InvalidArgumentError(absl::StrCat("unknown transport policy '",
+                                                 std::string(name),
+                                                 "' (use auto, rdma or grpc)"));
 }
 
 Channel::Channel(std::string target, ChannelOptions options)
@@ -90,10 +94,10 @@ Status Channel::Call(std::string_view method, ClientContext* ctx,
   return CallFuture(method, ctx, request, response).get();
 }
 
-std::future<Status> Channel::CallFuture(std::string_view method,
-                                        ClientContext* ctx,
-                                        const google::protobuf::Message& request,
-                                        google::protobuf::Message* response) {
+std::future<Status> Channel::CallFuture(
+    std::string_view method, ClientContext* ctx,
+    const google::protobuf::Message& request,
+    google::protobuf::Message* response) {
   auto promise = std::make_shared<std::promise<Status>>();
   std::future<Status> future = promise->get_future();
   CallAsync(method, ctx, request, response,

@@ -6,9 +6,12 @@ namespace rdmarpc {
 
 const char* TransportName(TransportKind kind) {
   switch (kind) {
-    case TransportKind::kNone: return "none";
-    case TransportKind::kGrpc: return "grpc";
-    case TransportKind::kRdma: return "rdma";
+    case TransportKind::kNone:
+      return "none";
+    case TransportKind::kGrpc:
+      return "grpc";
+    case TransportKind::kRdma:
+      return "rdma";
   }
   return "unknown";
 }

@@ -19,9 +19,9 @@ StatusOr<uint64_t> ExpectedSize(size_t index, const Tensor& t) {
         absl::StrCat(Describe(index, t), ": ", size.status().message()));
   }
   if (t.byte_size() != 0 && t.byte_size() != *size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        Describe(index, t), ": byte_size ", t.byte_size(),
-        " does not match dtype and shape (", *size, " bytes)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(Describe(index, t), ": byte_size ", t.byte_size(),
+                     " does not match dtype and shape (", *size, " bytes)"));
   }
   return *size;
 }
@@ -68,9 +68,9 @@ StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
   std::vector<Tensor*> fields;
   RDMARPC_RETURN_IF_ERROR(CollectMutableTensors(msg, &fields));
   if (fields.size() != parts.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "peer announced ", parts.size(), " tensors but the message holds ",
-        fields.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("peer announced ", parts.size(),
+                     " tensors but the message holds ", fields.size()));
   }
   IncomingResult result;
   // Check everything before allocating anything.
@@ -93,28 +93,30 @@ StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
                        " inline bytes where dtype and shape need ", expected));
     }
     if (expected > max_bytes - result.total_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "message tensors exceed the receiver's limit of ", max_bytes,
-          " bytes"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("message tensors exceed the receiver's limit of ",
+                       max_bytes, " bytes"));
     }
     result.total_bytes += expected;
     if (p.out_of_band) result.out_of_band_bytes += expected;
   }
-  if (!placement.is_host()) RDMARPC_RETURN_IF_ERROR(CudaDeviceStatus(placement.index));
+  if (!placement.is_host())
+    RDMARPC_RETURN_IF_ERROR(CudaDeviceStatus(placement.index));
   for (size_t i = 0; i < fields.size(); ++i) {
     Tensor& t = *fields[i];
     const IncomingPart& p = parts[i];
     TensorBuffer bytes;
     if (p.out_of_band) {
-      RDMARPC_ASSIGN_OR_RETURN(bytes, TensorBuffer::Allocate(p.size, placement));
+      RDMARPC_ASSIGN_OR_RETURN(bytes,
+                               TensorBuffer::Allocate(p.size, placement));
       result.landing.push_back(bytes);
     } else if (placement.is_host()) {
       bytes = TensorBuffer::Share(owner, t.data().data(), t.data().size());
     } else {
-      RDMARPC_ASSIGN_OR_RETURN(bytes, TensorBuffer::Allocate(p.size, placement));
-      RDMARPC_RETURN_IF_ERROR(CopyBytes(bytes.data(), placement,
-                                        t.data().data(), Device::Host(),
-                                        p.size));
+      RDMARPC_ASSIGN_OR_RETURN(bytes,
+                               TensorBuffer::Allocate(p.size, placement));
+      RDMARPC_RETURN_IF_ERROR(CopyBytes(
+          bytes.data(), placement, t.data().data(), Device::Host(), p.size));
       result.cpu_copied_bytes += p.size;
       t.clear_data();
     }
@@ -140,9 +142,8 @@ StatusOr<std::unique_ptr<google::protobuf::Message>> InlineTensors(
     if (b == nullptr) continue;  // already inline
     std::string* data = copy_fields[i]->mutable_data();
     data->resize(b->size());
-    RDMARPC_RETURN_IF_ERROR(
-        CopyBytes(data->data(), Device::Host(), b->data(), b->device(),
-                  b->size()));
+    RDMARPC_RETURN_IF_ERROR(CopyBytes(data->data(), Device::Host(), b->data(),
+                                      b->device(), b->size()));
     copy_fields[i]->set_device_type(DEVICE_TYPE_HOST);
     copy_fields[i]->set_device_index(0);
     *copied += b->size();

@@ -24,9 +24,8 @@ DeferredCompletion::~DeferredCompletion() {
     done_(std::move(status_));
     return;
   }
-  RunOnCallbackThread([done = std::move(done_), status = std::move(status_)] {
-    done(status);
-  });
+  RunOnCallbackThread(
+      [done = std::move(done_), status = std::move(status_)] { done(status); });
 }
 
 }  // namespace rdmarpc::internal

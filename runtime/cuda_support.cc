@@ -25,8 +25,8 @@ const CudaProbe& Probe() {
     cudaError_t err = cudaGetDeviceCount(&p.count);
     if (err != cudaSuccess) {
       p.count = 0;
-      p.reason = absl::StrCat("CUDA unavailable: ", cudaGetErrorName(err),
-                              " (", cudaGetErrorString(err), ")");
+      p.reason = absl::StrCat("CUDA unavailable: ", cudaGetErrorName(err), " (",
+                              cudaGetErrorString(err), ")");
     } else if (p.count == 0) {
       p.reason = "CUDA unavailable: no GPU found";
     }
@@ -36,9 +36,9 @@ const CudaProbe& Probe() {
 }
 
 Status CudaError(const char* what, cudaError_t err) {
-  return absl::InternalError(absl::StrCat(what, " failed: ",
-                                          cudaGetErrorName(err), " (",
-                                          cudaGetErrorString(err), ")"));
+  return absl::InternalError(absl::StrCat(what,
+                                          " failed: ", cudaGetErrorName(err),
+                                          " (", cudaGetErrorString(err), ")"));
 }
 
 }  // namespace
@@ -62,9 +62,9 @@ StatusOr<TensorBuffer> CudaAllocate(size_t size, int index) {
   void* p = nullptr;
   err = cudaMalloc(&p, size == 0 ? 1 : size);
   if (err != cudaSuccess) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cudaMalloc of ", size, " bytes on cuda:", index,
-        " failed: ", cudaGetErrorString(err)));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cudaMalloc of ", size, " bytes on cuda:", index,
+                     " failed: ", cudaGetErrorString(err)));
   }
   std::shared_ptr<const void> owner(p, [index](const void* q) {
     cudaSetDevice(index);

@@ -25,8 +25,7 @@ TensorBuffer TensorBuffer::Borrow(const void* data, size_t size,
 }
 
 TensorBuffer TensorBuffer::Share(std::shared_ptr<const void> owner,
-                                 const void* data, size_t size,
-                                 Device device) {
+                                 const void* data, size_t size, Device device) {
   TensorBuffer b = Borrow(data, size, device);
   b.owner_ = std::move(owner);
   return b;
@@ -43,9 +42,8 @@ StatusOr<TensorBuffer> TensorBuffer::Allocate(size_t size, Device device) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot allocate ", size, " bytes of host memory"));
   }
-  std::shared_ptr<const void> owner(p, [](const void* q) {
-    std::free(const_cast<void*>(q));
-  });
+  std::shared_ptr<const void> owner(
+      p, [](const void* q) { std::free(const_cast<void*>(q)); });
   return Share(std::move(owner), p, size, device);
 }
 
@@ -79,14 +77,13 @@ class HostMemoryPool final : public MemoryPool {
       free_.erase(it);
       if (left > 0) free_[offset + rounded] = left;
       std::shared_ptr<const void> owner(
-          base_ + offset, [this, offset, rounded](const void*) {
-            Release(offset, rounded);
-          });
+          base_ + offset,
+          [this, offset, rounded](const void*) { Release(offset, rounded); });
       return TensorBuffer::Share(std::move(owner), base_ + offset, size);
     }
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "host memory pool of ", capacity_, " bytes has no free block of ",
-        rounded, " bytes"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("host memory pool of ", capacity_,
+                     " bytes has no free block of ", rounded, " bytes"));
   }
 
   std::vector<Region> Regions() const override {

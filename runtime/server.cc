@@ -162,16 +162,16 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
       }
     }
   }
-  int workers = workers_ > 0
-                    ? workers_
-                    : std::max(4, static_cast<int>(
-                                      std::thread::hardware_concurrency()));
+  int workers =
+      workers_ > 0
+          ? workers_
+          : std::max(4, static_cast<int>(std::thread::hardware_concurrency()));
   std::unique_ptr<Server> server(new Server());
   server->dispatcher_ = std::make_unique<internal::ServerDispatcher>(
       std::move(methods), workers, max_request_tensor_bytes_);
-  RDMARPC_ASSIGN_OR_RETURN(
-      auto grpc, grpc_transport::GrpcServerTransport::Start(
-                     ports_, server->dispatcher_.get()));
+  RDMARPC_ASSIGN_OR_RETURN(auto grpc,
+                           grpc_transport::GrpcServerTransport::Start(
+                               ports_, server->dispatcher_.get()));
   server->transports_.push_back(std::move(grpc));
   return server;
 }

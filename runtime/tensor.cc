@@ -27,18 +27,30 @@ size_t DTypeSize(DType dtype) {
 
 const char* DTypeName(DType dtype) {
   switch (dtype) {
-    case DTYPE_F32: return "f32";
-    case DTYPE_F16: return "f16";
-    case DTYPE_BF16: return "bf16";
-    case DTYPE_F64: return "f64";
-    case DTYPE_I8: return "i8";
-    case DTYPE_U8: return "u8";
-    case DTYPE_I16: return "i16";
-    case DTYPE_I32: return "i32";
-    case DTYPE_I64: return "i64";
-    case DTYPE_BOOL: return "bool";
-    case DTYPE_UNSPECIFIED: return "unspecified";
-    default: return "unknown";
+    case DTYPE_F32:
+      return "f32";
+    case DTYPE_F16:
+      return "f16";
+    case DTYPE_BF16:
+      return "bf16";
+    case DTYPE_F64:
+      return "f64";
+    case DTYPE_I8:
+      return "i8";
+    case DTYPE_U8:
+      return "u8";
+    case DTYPE_I16:
+      return "i16";
+    case DTYPE_I32:
+      return "i32";
+    case DTYPE_I64:
+      return "i64";
+    case DTYPE_BOOL:
+      return "bool";
+    case DTYPE_UNSPECIFIED:
+      return "unspecified";
+    default:
+      return "unknown";
   }
 }
 
@@ -71,10 +83,10 @@ Status CallTensors::Set(Tensor* field, DType dtype,
   }
   RDMARPC_ASSIGN_OR_RETURN(uint64_t expected, TensorByteSize(dtype, shape));
   if (expected != buffer.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tensor of dtype ", DTypeName(dtype), " and ", shape.size(),
-        "-d shape needs ", expected, " bytes but the buffer has ",
-        buffer.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor of dtype ", DTypeName(dtype), " and ",
+                     shape.size(), "-d shape needs ", expected,
+                     " bytes but the buffer has ", buffer.size()));
   }
   field->set_dtype(dtype);
   field->mutable_shape()->Assign(shape.begin(), shape.end());

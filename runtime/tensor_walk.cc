@@ -1,5 +1,6 @@
 #include "runtime/tensor_walk.h"
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/descriptor.h"
 
@@ -16,14 +17,17 @@ bool IsTensor(const google::protobuf::Descriptor* d) {
   return d == Tensor::descriptor();
 }
 
-// Whether messages of type `d` can contain a Tensor somewhere below.
-bool MayHoldTensor(const google::protobuf::Descriptor* d, int depth) {
+// Whether messages of type `d` can contain a Tensor somewhere below
+// (exact: each type is visited once, so recursive types terminate).
+bool MayHoldTensor(
+    const google::protobuf::Descriptor* d,
+    absl::flat_hash_set<const google::protobuf::Descriptor*>* seen) {
   if (IsTensor(d)) return true;
-  if (depth > 8) return true;  // deep or cyclic types: be conservative
+  if (!seen->insert(d).second) return false;
   for (int i = 0; i < d->field_count(); ++i) {
     const FieldDescriptor* f = d->field(i);
     if (f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE &&
-        MayHoldTensor(f->message_type(), depth + 1)) {
+        MayHoldTensor(f->message_type(), seen)) {
       return true;
     }
   }
@@ -42,7 +46,8 @@ Status Walk(MessageT& msg, std::vector<TensorT*>* out, int depth) {
   for (const FieldDescriptor* f : fields) {
     if (f->cpp_type() != FieldDescriptor::CPPTYPE_MESSAGE) continue;
     if (f->is_map()) {
-      if (MayHoldTensor(f->message_type(), 0)) {
+      absl::flat_hash_set<const google::protobuf::Descriptor*> seen;
+      if (MayHoldTensor(f->message_type(), &seen)) {
         return absl::InvalidArgumentError(absl::StrCat(
             "field ", f->full_name(),
             " is a map holding rdmarpc.Tensor values; tensors in maps are "

@@ -32,26 +32,27 @@ int main(int argc, char** argv) {
   }
   rdmarpc::ChannelOptions options;
   options.policy = *policy;
-  auto stub = hello::TensorService::NewStub(
-      rdmarpc::CreateChannel(target, options));
+  auto stub =
+      hello::TensorService::NewStub(rdmarpc::CreateChannel(target, options));
 
   int failures = 0;
   int call = 0;
-  for (size_t elements : {size_t{4}, size_t{1} << 10, size_t{1} << 20,
-                          size_t{16} << 20}) {
+  for (size_t elements :
+       {size_t{4}, size_t{1} << 10, size_t{1} << 20, size_t{16} << 20}) {
     ++call;
     std::vector<float> input(elements);
-    for (size_t i = 0; i < elements; ++i) input[i] = static_cast<float>(i % 1000);
+    for (size_t i = 0; i < elements; ++i)
+      input[i] = static_cast<float>(i % 1000);
     rdmarpc::ClientContext ctx;
     ctx.set_timeout(std::chrono::seconds(30));
     hello::ScaleRequest req;
     req.set_name("hello_tensor_client");
     req.set_factor(2.0f);
-    rdmarpc::Status s = ctx.tensors().Set(
-        req.mutable_input(), rdmarpc::DTYPE_F32,
-        {static_cast<int64_t>(elements)},
-        rdmarpc::TensorBuffer::Borrow(input.data(),
-                                      input.size() * sizeof(float)));
+    rdmarpc::Status s =
+        ctx.tensors().Set(req.mutable_input(), rdmarpc::DTYPE_F32,
+                          {static_cast<int64_t>(elements)},
+                          rdmarpc::TensorBuffer::Borrow(
+                              input.data(), input.size() * sizeof(float)));
     hello::ScaleResponse resp;
     if (s.ok()) s = stub->Scale(&ctx, req, &resp);
     std::string verdict;
@@ -77,7 +78,8 @@ int main(int argc, char** argv) {
         static_cast<unsigned long long>(st.tensor_bytes_sent),
         static_cast<unsigned long long>(st.tensor_bytes_received),
         static_cast<unsigned long long>(st.cpu_copied_bytes));
-    if (s.ok() && call == 1) std::printf("  server said: %s\n", resp.greeting().c_str());
+    if (s.ok() && call == 1)
+      std::printf("  server said: %s\n", resp.greeting().c_str());
   }
   std::printf("%d calls, %d failed\n", call, failures);
   return failures == 0 ? 0 : 1;

@@ -4,6 +4,8 @@
 #ifndef RDMARPC_TESTS_E2E_E2E_FIXTURE_H_
 #define RDMARPC_TESTS_E2E_E2E_FIXTURE_H_
 
+#include <gtest/gtest.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -11,8 +13,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "e2e_test.rdmarpc.pb.h"
 #include "rdmarpc/rdmarpc.h"
@@ -85,8 +85,8 @@ class E2ETest : public ::testing::TestWithParam<TransportCase> {
     server_ = std::move(*server);
     rdmarpc::ChannelOptions options;
     options.policy = GetParam().policy;
-    channel_ = rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port_),
-                                      options);
+    channel_ =
+        rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port_), options);
     stub_ = E2E::NewStub(channel_);
   }
 

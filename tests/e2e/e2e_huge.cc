@@ -24,9 +24,9 @@ TEST_P(E2ETest, ThreeGiBTensorRoundTrips) {
   EchoResponse resp;
   auto start = std::chrono::steady_clock::now();
   rdmarpc::Status s = stub_->Echo(&ctx, req, &resp);
-  double seconds = std::chrono::duration<double>(
-                       std::chrono::steady_clock::now() - start)
-                       .count();
+  double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
   ASSERT_TRUE(s.ok()) << s;
   auto out = ctx.tensors().Get(resp.tensor());
   ASSERT_TRUE(out.ok()) << out.status();

@@ -12,11 +12,11 @@ using rdmarpc::ClientContext;
 using rdmarpc::TensorBuffer;
 
 TEST_P(E2ETest, EveryDTypeRoundTripsByteExact) {
-  const rdmarpc::DType dtypes[] = {
-      rdmarpc::DTYPE_F32, rdmarpc::DTYPE_F16, rdmarpc::DTYPE_BF16,
-      rdmarpc::DTYPE_F64, rdmarpc::DTYPE_I8,  rdmarpc::DTYPE_U8,
-      rdmarpc::DTYPE_I16, rdmarpc::DTYPE_I32, rdmarpc::DTYPE_I64,
-      rdmarpc::DTYPE_BOOL};
+  const rdmarpc::DType dtypes[] = {rdmarpc::DTYPE_F32,  rdmarpc::DTYPE_F16,
+                                   rdmarpc::DTYPE_BF16, rdmarpc::DTYPE_F64,
+                                   rdmarpc::DTYPE_I8,   rdmarpc::DTYPE_U8,
+                                   rdmarpc::DTYPE_I16,  rdmarpc::DTYPE_I32,
+                                   rdmarpc::DTYPE_I64,  rdmarpc::DTYPE_BOOL};
   for (rdmarpc::DType dtype : dtypes) {
     SCOPED_TRACE(rdmarpc::DTypeName(dtype));
     const std::vector<int64_t> shape = {3, 5, 7};
@@ -101,8 +101,8 @@ TEST_P(E2ETest, UnknownAndUnimplementedMethodsGiveUnimplemented) {
   EchoRequest req;
   EchoResponse resp;
   ClientContext c1;
-  rdmarpc::Status s = channel_->Call("/rdmarpc_test.E2E/NoSuchMethod", &c1,
-                                     req, &resp);
+  rdmarpc::Status s =
+      channel_->Call("/rdmarpc_test.E2E/NoSuchMethod", &c1, req, &resp);
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
   ClientContext c2;
   s = stub_->Missing(&c2, req, &resp);
@@ -156,8 +156,7 @@ TEST_P(E2ETest, CancelBeforeStartFailsWithoutSending) {
   ctx.TryCancel();
   EchoRequest req;
   EchoResponse resp;
-  EXPECT_EQ(stub_->Echo(&ctx, req, &resp).code(),
-            absl::StatusCode::kCancelled);
+  EXPECT_EQ(stub_->Echo(&ctx, req, &resp).code(), absl::StatusCode::kCancelled);
   EXPECT_EQ(service_.echo_calls.load(), 0);
 }
 
@@ -295,9 +294,9 @@ TEST_P(E2ETest, BadTensorDescriptionIsRejectedBeforeSending) {
   ClientContext ctx;
   EchoRequest req;
   std::vector<uint8_t> bytes(10);
-  rdmarpc::Status s = ctx.tensors().Set(
-      req.mutable_tensor(), rdmarpc::DTYPE_F32, {3},
-      TensorBuffer::Borrow(bytes.data(), bytes.size()));
+  rdmarpc::Status s =
+      ctx.tensors().Set(req.mutable_tensor(), rdmarpc::DTYPE_F32, {3},
+                        TensorBuffer::Borrow(bytes.data(), bytes.size()));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   // A field changed after Set() fails the call, not the process.
   ClientContext ctx2;

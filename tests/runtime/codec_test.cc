@@ -29,8 +29,8 @@ TEST(TensorWalkTest, DepthFirstInFieldNumberOrder) {
   ASSERT_TRUE(CollectTensors(o, &found).ok());
   std::vector<DType> order;
   for (const Tensor* t : found) order.push_back(t->dtype());
-  EXPECT_EQ(order, (std::vector<DType>{DTYPE_U8, DTYPE_I8, DTYPE_I16,
-                                       DTYPE_F32, DTYPE_F64, DTYPE_BF16}));
+  EXPECT_EQ(order, (std::vector<DType>{DTYPE_U8, DTYPE_I8, DTYPE_I16, DTYPE_F32,
+                                       DTYPE_F64, DTYPE_BF16}));
   // The receiver's walk over the parsed bytes sees the same order.
   Outer parsed;
   ASSERT_TRUE(parsed.ParseFromString(o.SerializeAsString()));
@@ -51,6 +51,15 @@ TEST(TensorWalkTest, MapsHoldingTensorsAreRefused) {
   Status s = CollectTensors(o, &found);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("map"), absl::string_view::npos) << s;
+}
+
+TEST(TensorWalkTest, RecursiveMapWithoutTensorsIsFine) {
+  rdmarpc_runtime_test::Node n;
+  (*(*n.mutable_children())["a"].mutable_children())["b"].set_name("leaf");
+  std::vector<const Tensor*> found;
+  Status s = CollectTensors(n, &found);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_TRUE(found.empty());
 }
 
 Outer OneTensor(DType dtype, std::vector<int64_t> shape) {
@@ -86,28 +95,52 @@ TEST(AcceptIncomingTest, RejectsWhatAPeerMustNotSend) {
   Outer bad_byte_size = OneTensor(DTYPE_U8, {3});
   bad_byte_size.mutable_first()->set_byte_size(4);
   std::vector<Case> cases = {
-      {"count", OneTensor(DTYPE_U8, {3}), {{true, 3}, {true, 3}}, 1 << 20,
+      {"count",
+       OneTensor(DTYPE_U8, {3}),
+       {{true, 3}, {true, 3}},
+       1 << 20,
        absl::StatusCode::kInvalidArgument},
-      {"size", OneTensor(DTYPE_U8, {3}), {{true, 4}}, 1 << 20,
+      {"size",
+       OneTensor(DTYPE_U8, {3}),
+       {{true, 4}},
+       1 << 20,
        absl::StatusCode::kInvalidArgument},
-      {"dtype", OneTensor(static_cast<DType>(99), {3}), {{true, 3}}, 1 << 20,
+      {"dtype",
+       OneTensor(static_cast<DType>(99), {3}),
+       {{true, 3}},
+       1 << 20,
        absl::StatusCode::kInvalidArgument},
-      {"negative", OneTensor(DTYPE_U8, {-3}), {{true, 0}}, 1 << 20,
+      {"negative",
+       OneTensor(DTYPE_U8, {-3}),
+       {{true, 0}},
+       1 << 20,
        absl::StatusCode::kInvalidArgument},
-      {"both", with_inline, {{true, 3}}, 1 << 20,
+      {"both",
+       with_inline,
+       {{true, 3}},
+       1 << 20,
        absl::StatusCode::kInvalidArgument},
-      {"inline short", OneTensor(DTYPE_U8, {3}), {{false, 3}}, 1 << 20,
+      {"inline short",
+       OneTensor(DTYPE_U8, {3}),
+       {{false, 3}},
+       1 << 20,
        absl::StatusCode::kInvalidArgument},
-      {"byte_size", bad_byte_size, {{true, 3}}, 1 << 20,
+      {"byte_size",
+       bad_byte_size,
+       {{true, 3}},
+       1 << 20,
        absl::StatusCode::kInvalidArgument},
-      {"budget", OneTensor(DTYPE_U8, {4096}), {{true, 4096}}, 4095,
+      {"budget",
+       OneTensor(DTYPE_U8, {4096}),
+       {{true, 4096}},
+       4095,
        absl::StatusCode::kResourceExhausted},
   };
   for (Case& c : cases) {
     SCOPED_TRACE(c.name);
     CallTensors tensors;
-    auto r = AcceptIncoming(&c.msg, c.parts, Device::Host(), c.budget,
-                            nullptr, &tensors);
+    auto r = AcceptIncoming(&c.msg, c.parts, Device::Host(), c.budget, nullptr,
+                            &tensors);
     EXPECT_EQ(r.status().code(), c.code) << r.status();
     EXPECT_EQ(tensors.Find(c.msg.first()), nullptr);
   }

@@ -1,8 +1,8 @@
 #include "rdmarpc/memory.h"
 
-#include <cstring>
-
 #include <gtest/gtest.h>
+
+#include <cstring>
 
 namespace rdmarpc {
 namespace {
@@ -15,7 +15,8 @@ TEST(TensorBufferTest, AllocateOwnsAndSharesBytes) {
   TensorBuffer copy = *b;
   EXPECT_EQ(copy.data(), b->data());
   TensorBuffer part = b->Slice(10, 20);
-  EXPECT_EQ(static_cast<char*>(part.data()), static_cast<char*>(b->data()) + 10);
+  EXPECT_EQ(static_cast<char*>(part.data()),
+            static_cast<char*>(b->data()) + 10);
   EXPECT_EQ(part.size(), 20u);
 }
 

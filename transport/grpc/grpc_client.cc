@@ -1,14 +1,14 @@
 #include "transport/grpc/grpc_client.h"
 
-#include <climits>
-#include <mutex>
-#include <utility>
-
 #include <grpcpp/client_context.h>
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
 #include <grpcpp/support/client_callback.h>
+
+#include <climits>
+#include <mutex>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "runtime/codec.h"
@@ -47,7 +47,8 @@ class ClientCallReactor final
   ClientCallReactor(internal::ClientCall call, size_t chunk_bytes)
       : call_(std::move(call)),
         chunk_bytes_(chunk_bytes),
-        receiver_([this](const LeanHead& head) { return OnResponseHead(head); }) {}
+        receiver_(
+            [this](const LeanHead& head) { return OnResponseHead(head); }) {}
 
   void Start(grpc::GenericStub* stub) {
     ClientContext* ctx = call_.ctx;
@@ -74,7 +75,8 @@ class ClientCallReactor final
     if (ctx->deadline()) gctx_.set_deadline(*ctx->deadline());
     canceller_ = std::make_shared<GrpcCanceller>(&gctx_);
     if (!ctx->AttachCanceller(canceller_)) {
-      return FailBeforeStart(absl::CancelledError("call cancelled before start"));
+      return FailBeforeStart(
+          absl::CancelledError("call cancelled before start"));
     }
 
     stub->PrepareBidiStreamingCall(&gctx_, call_.method, grpc::StubOptions(),
@@ -118,8 +120,7 @@ class ClientCallReactor final
     }
     CallStats* stats = call_.ctx->mutable_stats();
     stats->cpu_copied_bytes += sender_->cpu_copied_bytes() +
-                               receiver_.cpu_copied_bytes() +
-                               accept_copied_;
+                               receiver_.cpu_copied_bytes() + accept_copied_;
     stats->tensor_bytes_received = received_bytes_;
     // The callback waits for gRPC to drop the request's slices (they may
     // reference borrowed memory); they go at the latest with gctx_ below.
@@ -156,23 +157,11 @@ class ClientCallReactor final
   }
 
   StatusOr<std::vector<TensorBuffer>> OnResponseHead(const LeanHead& head) {
-    google::protobuf::Message* resp = call_.response;
-    resp->Clear();
-    if (!resp->ParseFromString(head.message())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "response does not parse as ", resp->GetTypeName()));
-    }
-    std::vector<internal::IncomingPart> parts;
-    parts.reserve(head.tensors_size());
-    for (const TensorPart& p : head.tensors()) {
-      parts.push_back({p.out_of_band(), p.size()});
-    }
     RDMARPC_ASSIGN_OR_RETURN(
         internal::IncomingResult r,
-        internal::AcceptIncoming(resp, parts,
-                                 call_.ctx->response_placement(),
-                                 call_.max_response_tensor_bytes, nullptr,
-                                 &call_.ctx->tensors()));
+        AcceptHead(head, call_.response, call_.ctx->response_placement(),
+                   call_.max_response_tensor_bytes, nullptr,
+                   &call_.ctx->tensors()));
     received_bytes_ = r.total_bytes;
     accept_copied_ = r.cpu_copied_bytes;
     return std::move(r.landing);

@@ -3,11 +3,11 @@
 #ifndef RDMARPC_TRANSPORT_GRPC_GRPC_CLIENT_H_
 #define RDMARPC_TRANSPORT_GRPC_GRPC_CLIENT_H_
 
-#include <memory>
-#include <string>
-
 #include <grpcpp/channel.h>
 #include <grpcpp/generic/generic_stub.h>
+
+#include <memory>
+#include <string>
 
 #include "rdmarpc/channel.h"
 #include "runtime/transport.h"

@@ -1,13 +1,13 @@
 #include "transport/grpc/grpc_server.h"
 
-#include <climits>
-#include <mutex>
-#include <optional>
-
+#include <grpcpp/impl/codegen/proto_utils.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 #include <grpcpp/support/proto_buffer_reader.h>
-#include <grpcpp/impl/codegen/proto_utils.h>
+
+#include <climits>
+#include <mutex>
+#include <optional>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -47,9 +47,9 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
       std::string value(v.data(), v.size());
       if (key == kFramingKey) {
         if (value != kFramingLean) {
-          return FinishOnce(absl::InvalidArgumentError(absl::StrCat(
-              "unsupported rdmarpc framing '", value, "' (this server speaks ",
-              kFramingLean, ")")));
+          return FinishOnce(absl::InvalidArgumentError(
+              absl::StrCat("unsupported rdmarpc framing '", value,
+                           "' (this server speaks ", kFramingLean, ")")));
         }
         lean_ = true;
       } else if (key == kCallIdKey) {
@@ -101,30 +101,20 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
 
  private:
   StatusOr<std::vector<TensorBuffer>> OnHead(const LeanHead& head) {
-    if (!request_->ParseFromString(head.message())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "request does not parse as ", request_->GetTypeName()));
-    }
     if (head.call_id() != 0) state_->call_id = head.call_id();
-    std::vector<internal::IncomingPart> parts;
-    parts.reserve(head.tensors_size());
-    for (const TensorPart& p : head.tensors()) {
-      parts.push_back({p.out_of_band(), p.size()});
-    }
     RDMARPC_ASSIGN_OR_RETURN(
         internal::IncomingResult r,
-        internal::AcceptIncoming(request_.get(), parts,
-                                 state_->method().placement,
-                                 dispatcher_->max_request_tensor_bytes(),
-                                 request_, &state_->tensors));
+        AcceptHead(head, request_.get(), state_->method().placement,
+                   dispatcher_->max_request_tensor_bytes(), request_,
+                   &state_->tensors));
     return std::move(r.landing);
   }
 
   Status AcceptPlain() {
     grpc::ProtoBufferReader reader(&read_buf_);
     if (!request_->ParseFromZeroCopyStream(&reader)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "request does not parse as ", request_->GetTypeName()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("request does not parse as ", request_->GetTypeName()));
     }
     // A plain peer sends every tensor inline; AcceptIncoming checks each
     // against its dtype and shape.
@@ -141,11 +131,10 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
   }
 
   void Dispatch() {
-    dispatcher_->Execute(
-        state_, request_,
-        [this](Status s, std::unique_ptr<Message> response) {
-          Respond(std::move(s), std::move(response));
-        });
+    dispatcher_->Execute(state_, request_,
+                         [this](Status s, std::unique_ptr<Message> response) {
+                           Respond(std::move(s), std::move(response));
+                         });
   }
 
   // Runs on a worker thread once the handler returned.
@@ -178,7 +167,8 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
 
   void RespondPlain() {
     uint64_t copied = 0;
-    auto inlined = internal::InlineTensors(*response_, state_->tensors, &copied);
+    auto inlined =
+        internal::InlineTensors(*response_, state_->tensors, &copied);
     if (!inlined.ok()) return FinishOnce(HandlerError(inlined.status()));
     size_t size = (*inlined)->ByteSizeLong();
     if (size > INT_MAX) {
@@ -246,7 +236,8 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
 
 class GrpcServerTransport::Service final : public grpc::CallbackGenericService {
  public:
-  explicit Service(internal::Dispatcher* dispatcher) : dispatcher_(dispatcher) {}
+  explicit Service(internal::Dispatcher* dispatcher)
+      : dispatcher_(dispatcher) {}
 
   grpc::ServerGenericBidiReactor* CreateReactor(
       grpc::GenericCallbackServerContext* gctx) override {
@@ -277,9 +268,9 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::Start(
   std::string addresses;
   for (const auto& p : ports) absl::StrAppend(&addresses, " ", p.first);
   if (t->server_ == nullptr) {
-    return absl::UnavailableError(absl::StrCat(
-        "cannot start the gRPC server on", addresses,
-        " (address in use, or not an address of this machine?)"));
+    return absl::UnavailableError(
+        absl::StrCat("cannot start the gRPC server on", addresses,
+                     " (address in use, or not an address of this machine?)"));
   }
   for (size_t i = 0; i < ports.size(); ++i) {
     if (bound[i] == 0) {

@@ -4,13 +4,13 @@
 #ifndef RDMARPC_TRANSPORT_GRPC_GRPC_SERVER_H_
 #define RDMARPC_TRANSPORT_GRPC_GRPC_SERVER_H_
 
+#include <grpcpp/generic/async_generic_service.h>
+#include <grpcpp/server.h>
+
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <grpcpp/generic/async_generic_service.h>
-#include <grpcpp/server.h>
 
 #include "runtime/transport.h"
 

@@ -1,10 +1,10 @@
 #include "transport/grpc/lean_codec.h"
 
-#include <algorithm>
-#include <vector>
-
 #include <grpcpp/support/proto_buffer_reader.h>
 #include <grpcpp/support/slice.h>
+
+#include <algorithm>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -41,6 +41,25 @@ LeanHead MakeHead(std::string serialized_message,
     part->set_size(t.size);
   }
   return head;
+}
+
+StatusOr<internal::IncomingResult> AcceptHead(const LeanHead& head,
+                                              google::protobuf::Message* msg,
+                                              Device placement,
+                                              uint64_t max_bytes,
+                                              std::shared_ptr<const void> owner,
+                                              CallTensors* tensors) {
+  if (!msg->ParseFromString(head.message())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("message does not parse as ", msg->GetTypeName()));
+  }
+  std::vector<internal::IncomingPart> parts;
+  parts.reserve(head.tensors_size());
+  for (const TensorPart& p : head.tensors()) {
+    parts.push_back({p.out_of_band(), p.size()});
+  }
+  return internal::AcceptIncoming(msg, parts, placement, max_bytes,
+                                  std::move(owner), tensors);
 }
 
 LeanSender::LeanSender(LeanHead head, const internal::OutgoingPlan& plan,
@@ -82,8 +101,8 @@ StatusOr<bool> LeanSender::Next(grpc::ByteBuffer* out, bool* last) {
     return true;
   }
   const TensorBuffer& t = out_of_band_[tensor_];
-  size_t n = static_cast<size_t>(
-      std::min<uint64_t>(chunk_bytes_, t.size() - offset_));
+  size_t n =
+      static_cast<size_t>(std::min<uint64_t>(chunk_bytes_, t.size() - offset_));
   TensorBuffer chunk = t.Slice(offset_, n);
   if (!chunk.device().is_host()) {
     // Stage device memory through host memory.
@@ -111,9 +130,9 @@ Status LeanReceiver::OnHead(const grpc::ByteBuffer& message) {
   grpc::ByteBuffer copy(message);  // the reader consumes its buffer
   grpc::ProtoBufferReader reader(&copy);
   if (!head.ParseFromZeroCopyStream(&reader)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "lean framing: the first message (", message.Length(),
-        " bytes) is not a valid LeanHead"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("lean framing: the first message (", message.Length(),
+                     " bytes) is not a valid LeanHead"));
   }
   if (head.version() != kLeanVersion) {
     return absl::InvalidArgumentError(
@@ -140,17 +159,16 @@ Status LeanReceiver::OnChunk(const grpc::ByteBuffer& message) {
             "announced");
       }
       TensorBuffer& dst = landing_[tensor_];
-      size_t n = static_cast<size_t>(
-          std::min<uint64_t>(left, dst.size() - offset_));
-      RDMARPC_RETURN_IF_ERROR(CopyBytes(static_cast<char*>(dst.data()) +
-                                            offset_,
-                                        dst.device(), src, Device::Host(), n));
+      size_t n =
+          static_cast<size_t>(std::min<uint64_t>(left, dst.size() - offset_));
+      RDMARPC_RETURN_IF_ERROR(
+          CopyBytes(static_cast<char*>(dst.data()) + offset_, dst.device(), src,
+                    Device::Host(), n));
       copied_ += n;
       src += n;
       left -= n;
       offset_ += n;
-      while (tensor_ < landing_.size() &&
-             offset_ >= landing_[tensor_].size()) {
+      while (tensor_ < landing_.size() && offset_ >= landing_[tensor_].size()) {
         ++tensor_;
         offset_ = 0;
       }

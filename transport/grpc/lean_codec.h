@@ -8,12 +8,12 @@
 #ifndef RDMARPC_TRANSPORT_GRPC_LEAN_CODEC_H_
 #define RDMARPC_TRANSPORT_GRPC_LEAN_CODEC_H_
 
+#include <grpcpp/support/byte_buffer.h>
+
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <vector>
-
-#include <grpcpp/support/byte_buffer.h>
 
 #include "rdmarpc/memory.h"
 #include "rdmarpc/status.h"
@@ -30,6 +30,15 @@ inline constexpr char kCallIdKey[] = "rdmarpc-call-id";
 // Builds the head for `serialized_message` and `plan`.
 LeanHead MakeHead(std::string serialized_message,
                   const internal::OutgoingPlan& plan, uint64_t call_id);
+
+// Parses head.message() into `msg` and checks and binds its tensors as the
+// head describes them (see internal::AcceptIncoming for the arguments).
+StatusOr<internal::IncomingResult> AcceptHead(const LeanHead& head,
+                                              google::protobuf::Message* msg,
+                                              Device placement,
+                                              uint64_t max_bytes,
+                                              std::shared_ptr<const void> owner,
+                                              CallTensors* tensors);
 
 class LeanSender {
  public:

@@ -12,6 +12,8 @@
 #ifndef RDMARPC_CHANNEL_H_
 #define RDMARPC_CHANNEL_H_
 
+#include <atomic>
+#include <cstdint>
 #include <functional>
 #include <future>
 #include <memory>

@@ -57,9 +57,8 @@ class TensorBuffer {
 
   // Wraps memory whose lifetime `owner` controls: the bytes stay valid while
   // any copy of the returned buffer (or of `owner`) lives.
-  static TensorBuffer Share(std::shared_ptr<const void> owner,
-                            const void* data, size_t size,
-                            Device device = Device::Host());
+  static TensorBuffer Share(std::shared_ptr<const void> owner, const void* data,
+                            size_t size, Device device = Device::Host());
 
   // Allocates `size` bytes on `device` (64-byte aligned on the host). The
   // bytes are uninitialized and freed when the last copy is destroyed.

@@ -27,10 +27,10 @@
 
 #include <chrono>
 #include <condition_variable>
-#include <mutex>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -91,6 +91,10 @@ struct MethodDescriptor {
 // Base of every generated Service.
 class Service {
  public:
+  Service() = default;
+  // Registered handlers point at this object.
+  Service(const Service&) = delete;
+  Service& operator=(const Service&) = delete;
   virtual ~Service() = default;
   const std::vector<MethodDescriptor>& methods() const { return methods_; }
 

@@ -16,6 +16,8 @@
 #ifndef RDMARPC_STATUS_H_
 #define RDMARPC_STATUS_H_
 
+#include <utility>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 

@@ -93,8 +93,8 @@ class CallTensors {
              TensorBuffer buffer);
   Status Set(Tensor* field, DType dtype, std::initializer_list<int64_t> shape,
              TensorBuffer buffer) {
-    return Set(field, dtype, std::span<const int64_t>(shape.begin(),
-                                                      shape.size()),
+    return Set(field, dtype,
+               std::span<const int64_t>(shape.begin(), shape.size()),
                std::move(buffer));
   }
   // Binds the bytes and description of a view (for example a received

@@ -69,7 +69,8 @@ int main() {
   if (s.ok()) s = stub->Reverse(&ctx, req, &resp);
   int rc = 0;
   if (!s.ok()) {
-    std::fprintf(stderr, "consumer: Reverse failed: %s\n", s.ToString().c_str());
+    std::fprintf(stderr, "consumer: Reverse failed: %s\n",
+                 s.ToString().c_str());
     rc = 1;
   } else {
     auto out = ctx.tensors().Get(resp.output());
@@ -87,8 +88,10 @@ int main() {
           "consumer: Reverse(u8[3,1000]) -> tag '%s', %s, shape [%lld,%lld], "
           "%zu bytes, first %u %u %u (want %u %u %u) -> %s\n",
           resp.tag().c_str(), rdmarpc::DTypeName(out->dtype()),
-          out->shape().size() > 0 ? static_cast<long long>(out->shape()[0]) : -1,
-          out->shape().size() > 1 ? static_cast<long long>(out->shape()[1]) : -1,
+          out->shape().size() > 0 ? static_cast<long long>(out->shape()[0])
+                                  : -1,
+          out->shape().size() > 1 ? static_cast<long long>(out->shape()[1])
+                                  : -1,
           out->size(),
           out->size() > 2 ? static_cast<const uint8_t*>(out->data())[0] : 0u,
           out->size() > 2 ? static_cast<const uint8_t*>(out->data())[1] : 0u,

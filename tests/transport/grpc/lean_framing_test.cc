@@ -2,14 +2,14 @@
 // or hostile peer would. Each gets INVALID_ARGUMENT (or RESOURCE_EXHAUSTED
 // for an oversized announcement) with a clear message, and the server keeps
 // serving well-formed calls.
-#include <future>
-#include <string>
-#include <vector>
-
 #include <grpcpp/create_channel.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/support/client_callback.h>
 #include <gtest/gtest.h>
+
+#include <future>
+#include <string>
+#include <vector>
 
 #include "e2e_test.rdmarpc.pb.h"
 #include "rdmarpc/rdmarpc.h"
@@ -161,7 +161,8 @@ TEST_F(LeanFramingTest, UnknownVersion) {
 
 TEST_F(LeanFramingTest, UnknownFraming) {
   ExpectRejected(Send({Head(4, 4)}, "lean-9"),
-                 grpc::StatusCode::INVALID_ARGUMENT, "unsupported rdmarpc framing");
+                 grpc::StatusCode::INVALID_ARGUMENT,
+                 "unsupported rdmarpc framing");
 }
 
 TEST_F(LeanFramingTest, MessageThatDoesNotParse) {
