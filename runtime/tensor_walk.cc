@@ -34,8 +34,7 @@ bool MayHoldTensor(
   return false;
 }
 
-template <typename MessageT, typename TensorT>
-Status Walk(MessageT& msg, std::vector<TensorT*>* out, int depth) {
+Status Walk(const Message& msg, std::vector<const Tensor*>* out, int depth) {
   if (depth > kMaxDepth) {
     return absl::InvalidArgumentError(
         absl::StrCat("message nesting deeper than ", kMaxDepth));
@@ -56,41 +55,17 @@ Status Walk(MessageT& msg, std::vector<TensorT*>* out, int depth) {
       continue;
     }
     const bool tensor = IsTensor(f->message_type());
+    auto visit = [&](const Message& sub) -> Status {
+      if (!tensor) return Walk(sub, out, depth + 1);
+      out->push_back(static_cast<const Tensor*>(&sub));
+      return absl::OkStatus();
+    };
     if (f->is_repeated()) {
-      int n = r->FieldSize(msg, f);
-      for (int i = 0; i < n; ++i) {
-        if constexpr (std::is_const_v<MessageT>) {
-          const Message& sub = r->GetRepeatedMessage(msg, f, i);
-          if (tensor) {
-            out->push_back(static_cast<TensorT*>(&sub));
-          } else {
-            RDMARPC_RETURN_IF_ERROR(Walk(sub, out, depth + 1));
-          }
-        } else {
-          Message* sub = r->MutableRepeatedMessage(&msg, f, i);
-          if (tensor) {
-            out->push_back(static_cast<TensorT*>(sub));
-          } else {
-            RDMARPC_RETURN_IF_ERROR(Walk(*sub, out, depth + 1));
-          }
-        }
+      for (int i = 0, n = r->FieldSize(msg, f); i < n; ++i) {
+        RDMARPC_RETURN_IF_ERROR(visit(r->GetRepeatedMessage(msg, f, i)));
       }
     } else {
-      if constexpr (std::is_const_v<MessageT>) {
-        const Message& sub = r->GetMessage(msg, f);
-        if (tensor) {
-          out->push_back(static_cast<TensorT*>(&sub));
-        } else {
-          RDMARPC_RETURN_IF_ERROR(Walk(sub, out, depth + 1));
-        }
-      } else {
-        Message* sub = r->MutableMessage(&msg, f);
-        if (tensor) {
-          out->push_back(static_cast<TensorT*>(sub));
-        } else {
-          RDMARPC_RETURN_IF_ERROR(Walk(*sub, out, depth + 1));
-        }
-      }
+      RDMARPC_RETURN_IF_ERROR(visit(r->GetMessage(msg, f)));
     }
   }
   return absl::OkStatus();
@@ -104,16 +79,18 @@ Status CollectTensors(const Message& msg, std::vector<const Tensor*>* out) {
     return absl::InvalidArgumentError(
         "a call's message cannot itself be an rdmarpc.Tensor; wrap it");
   }
-  return Walk<const Message, const Tensor>(msg, out, 0);
+  return Walk(msg, out, 0);
 }
 
 Status CollectMutableTensors(Message* msg, std::vector<Tensor*>* out) {
+  // The walk only visits set fields, whose sub-messages are the objects
+  // `msg` owns, so handing them out mutable is sound.
+  std::vector<const Tensor*> found;
+  RDMARPC_RETURN_IF_ERROR(CollectTensors(*msg, &found));
   out->clear();
-  if (IsTensor(msg->GetDescriptor())) {
-    return absl::InvalidArgumentError(
-        "a call's message cannot itself be an rdmarpc.Tensor; wrap it");
-  }
-  return Walk<Message, Tensor>(*msg, out, 0);
+  out->reserve(found.size());
+  for (const Tensor* t : found) out->push_back(const_cast<Tensor*>(t));
+  return absl::OkStatus();
 }
 
 }  // namespace rdmarpc::internal

@@ -6,7 +6,6 @@
 #include <grpcpp/support/channel_arguments.h>
 #include <grpcpp/support/client_callback.h>
 
-#include <climits>
 #include <mutex>
 #include <utility>
 
