@@ -37,8 +37,8 @@ class GrpcCanceller final : public internal::CallCanceller {
   grpc::ClientContext* ctx_;
 };
 
-// One call: writes the lean request, reads the lean response. Deletes itself
-// in OnDone. The user's callback runs when both the call is done and gRPC has
+// One call: writes the lean request, reads the lean response. Deleted on a
+// runtime thread after OnDone. The user's callback runs when both the call is done and gRPC has
 // released every slice that references the request's tensor memory.
 class ClientCallReactor final
     : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
@@ -126,7 +126,12 @@ class ClientCallReactor final
     completion_->Arm(std::move(call_.done), std::move(status));
     completion_.reset();
     sender_.reset();
-    delete this;
+    // gctx_ may hold the last reference to the grpc::Channel (the user can
+    // drop the rdmarpc::Channel once the callback ran). gRPC 1.51 must not
+    // release its shared callback queue from one of that queue's own
+    // threads: it joins itself and frees the queue under its feet. Destroy
+    // the call on a runtime thread instead.
+    internal::RunOnCallbackThread([this] { delete this; });
   }
 
  private:
