@@ -21,8 +21,8 @@
 #   RDMARPC_VM_TIMEOUT    seconds before a hung guest is killed (default 1800)
 #   RDMARPC_VM_MEM_MB     guest memory (default 4096)
 #   RDMARPC_VM_CPUS       guest vCPUs (default: this machine's cores, max 4)
-#   RDMARPC_VM_ACCEL      tcg (default) | kvm (only where KVM boots this
-#                         kernel; on some hosts it hangs, see docs)
+#   RDMARPC_VM_ACCEL      tcg (default) | kvm (opt in where KVM works: on
+#                         some hosts /dev/kvm exists but guests hang)
 #
 # Exit code: the command's; 125 when the harness itself failed (the message
 # on stderr starts with "rdma_vm:").
@@ -97,14 +97,14 @@ mkdir -p "$cache" || die "cannot create the cache directory $cache"
 
 # The exact kernel package changes as Debian updates: resolve it now.
 kernel_pkg="$(apt-cache depends linux-image-amd64 2>/dev/null |
-  awk '/Depends: linux-image-[0-9]/ { print $2; exit }')"
+  awk '/Depends: linux-image-[0-9]/ { print $2; exit }' || true)"
 if [ -n "$kernel_pkg" ]; then
   kver="${kernel_pkg#linux-image-}"
 else
   # No package lists (offline, or apt-get update never ran): use the newest
   # kernel already cached, if any.
   kver="$(find "$cache" -mindepth 2 -maxdepth 2 -name ready -printf '%h\n' 2>/dev/null |
-    xargs -r -n1 basename | sort -V | tail -n 1)"
+    xargs -r -n1 basename | sort -V | tail -n 1 || true)"
   [ -n "$kver" ] ||
     die "cannot resolve Debian's kernel package: 'apt-cache depends linux-image-amd64'" \
       "names none. Run 'apt-get update' (as root) and retry."
