@@ -72,7 +72,7 @@ check "killed qemu is reported as such" \
   grep -q "qemu exited (status .*) before the command in the guest finished" "$work/kill.out"
 
 # 5. A guest that hangs past RDMARPC_VM_TIMEOUT is killed and reported.
-out="$(RDMARPC_VM_TIMEOUT=20 "$run" sleep 600 2>&1)"
+out="$(TMPDIR="$work" RDMARPC_VM_TIMEOUT=20 "$run" sleep 600 2>&1)"
 rc=$?
 check "hung guest fails the run with 125 (got $rc)" test "$rc" -eq 125
 check "hung guest is reported as a timeout" \

@@ -1,4 +1,5 @@
 #!/bin/busybox sh
+# shellcheck shell=dash
 # /init of the soft-RoCE VM's initramfs (built by run.sh). Loads the kernel
 # modules for virtio, 9p and rdma_rxe, mounts the host's root filesystem
 # over 9p and hands over to guest.sh from the host's tree.

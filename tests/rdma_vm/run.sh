@@ -207,10 +207,11 @@ build_kernel_cache() {
 job="$(mktemp -d "${TMPDIR:-/tmp}/rdmarpc-vm.XXXXXX")"
 qemu_pid=""
 tail_pid=""
+keep_job=0  # kept for the post-mortem when the harness fails
 cleanup() {
   [ -n "$qemu_pid" ] && kill "$qemu_pid" 2>/dev/null || true
   [ -n "$tail_pid" ] && kill "$tail_pid" 2>/dev/null || true
-  rm -rf "$job"
+  [ "$keep_job" -eq 1 ] || rm -rf "$job"
 }
 trap cleanup EXIT
 trap 'exit 130' INT
@@ -275,6 +276,7 @@ tail_pid=""
 elapsed_ms=$(($(date +%s%N) / 1000000 - start_ms))
 
 console_tail() {
+  keep_job=1
   echo "rdma_vm: last lines of the guest console ($job/console.log):" >&2
   tail -n 30 "$job/console.log" | sed 's/\r$//; s/^/  | /' >&2
 }

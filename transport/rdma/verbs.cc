@@ -106,8 +106,9 @@ StatusOr<MemoryRegion> RegisterMemory(ibv_pd* pd, void* addr, size_t length,
           "service)"));
     }
     return absl::ResourceExhaustedError(absl::StrCat(
-        what, " with no locked-memory limit: the device or the machine is "
-              "out of memory it can pin"));
+        what,
+        " with no locked-memory limit: the device or the machine is "
+        "out of memory it can pin"));
   }
   return absl::ErrnoToStatus(err, what);
 }
@@ -125,10 +126,9 @@ StatusOr<CmQueuePair> CreateRcQp(rdma_cm_id* id, ibv_pd* pd, ibv_cq* cq,
   attr.cap.max_inline_data = caps.max_inline_data;
   attr.sq_sig_all = 0;
   if (rdma_create_qp(id, pd, &attr) != 0) {
-    return VerbsError(
-        absl::StrCat("rdma_create_qp(send ", caps.max_send_wr, ", recv ",
-                     caps.max_recv_wr, ")"),
-        LastErrno());
+    return VerbsError(absl::StrCat("rdma_create_qp(send ", caps.max_send_wr,
+                                   ", recv ", caps.max_recv_wr, ")"),
+                      LastErrno());
   }
   return CmQueuePair(id);
 }
@@ -140,9 +140,8 @@ StatusOr<CmEvent> WaitCmEvent(rdma_event_channel* events,
   int ready = poll(&pfd, 1, static_cast<int>(timeout.count()));
   if (ready < 0) return VerbsError("poll on the CM event channel", errno);
   if (ready == 0) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("no ", rdma_event_str(expected), " within ",
-                     timeout.count(), " ms"));
+    return absl::DeadlineExceededError(absl::StrCat(
+        "no ", rdma_event_str(expected), " within ", timeout.count(), " ms"));
   }
   rdma_cm_event* event = nullptr;
   if (rdma_get_cm_event(events, &event) != 0) {
@@ -167,10 +166,9 @@ StatusOr<CmEvent> WaitCmEvent(rdma_event_channel* events,
     } else if (status != 0) {
       detail = absl::StrCat(" (status ", status, ")");
     }
-    return absl::UnavailableError(absl::StrCat("expected ",
-                                               rdma_event_str(expected),
-                                               ", got ", rdma_event_str(out.type),
-                                               detail));
+    return absl::UnavailableError(
+        absl::StrCat("expected ", rdma_event_str(expected), ", got ",
+                     rdma_event_str(out.type), detail));
   }
   return out;
 }
@@ -253,8 +251,8 @@ std::vector<std::string> DescribeRdmaDevices() {
         ibv_port_attr port{};
         if (ibv_query_port(ctx, p, &port) != 0) continue;
         out.push_back(absl::StrCat(ibv_get_device_name(list[i]), " port ", p,
-                                   " ", ibv_port_state_str(port.state),
-                                   " mtu ", 128 << port.active_mtu));
+                                   " ", ibv_port_state_str(port.state), " mtu ",
+                                   128 << port.active_mtu));
       }
     }
     ibv_close_device(ctx);

@@ -38,13 +38,11 @@ struct VerbsDeleter {
   }
 };
 
-using EventChannel =
-    std::unique_ptr<rdma_event_channel,
-                    VerbsDeleter<rdma_destroy_event_channel>>;
+using EventChannel = std::unique_ptr<rdma_event_channel,
+                                     VerbsDeleter<rdma_destroy_event_channel>>;
 // Destroys the id; a queue pair made on it must go first (CmQueuePair).
 using CmId = std::unique_ptr<rdma_cm_id, VerbsDeleter<rdma_destroy_id>>;
-using ProtectionDomain =
-    std::unique_ptr<ibv_pd, VerbsDeleter<ibv_dealloc_pd>>;
+using ProtectionDomain = std::unique_ptr<ibv_pd, VerbsDeleter<ibv_dealloc_pd>>;
 using CompletionChannel =
     std::unique_ptr<ibv_comp_channel, VerbsDeleter<ibv_destroy_comp_channel>>;
 using CompletionQueue = std::unique_ptr<ibv_cq, VerbsDeleter<ibv_destroy_cq>>;
@@ -107,10 +105,10 @@ struct QpCaps {
 // naming it, with the peer's reject status when there is one.
 struct CmEvent {
   rdma_cm_event_type type;
-  rdma_cm_id* id = nullptr;     // For CONNECT_REQUEST: the new id (owned by
-                                // the caller from here on).
+  rdma_cm_id* id = nullptr;  // For CONNECT_REQUEST: the new id (owned by
+                             // the caller from here on).
   rdma_cm_id* listen_id = nullptr;
-  std::string private_data;     // Copied; the event's buffer dies on ack.
+  std::string private_data;  // Copied; the event's buffer dies on ack.
 };
 [[nodiscard]] StatusOr<CmEvent> WaitCmEvent(rdma_event_channel* events,
                                             rdma_cm_event_type expected,

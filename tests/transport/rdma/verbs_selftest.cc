@@ -24,9 +24,9 @@ constexpr char kHello[] = "rdmarpc-verbs-selftest";
 constexpr int kAccess =
     IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
 
-#define ASSERT_OK_AND_ASSIGN(lhs, expr)                 \
-  auto lhs##_or = (expr);                               \
-  ASSERT_TRUE(lhs##_or.ok()) << lhs##_or.status();      \
+#define ASSERT_OK_AND_ASSIGN(lhs, expr)            \
+  auto lhs##_or = (expr);                          \
+  ASSERT_TRUE(lhs##_or.ok()) << lhs##_or.status(); \
   auto lhs = std::move(*lhs##_or)
 
 // One side of the connection. Members in creation order: destruction runs
@@ -112,14 +112,14 @@ class VerbsSelfTest : public ::testing::Test {
     ASSERT_OK_AND_ASSIGN(client_id, CreateCmId(client_events_.get()));
     client_.id = std::move(client_id);
     sockaddr_in dst = Address(port_);
-    ASSERT_EQ(rdma_resolve_addr(client_.id.get(), nullptr, Sockaddr(&dst), 2000),
-              0);
+    ASSERT_EQ(
+        rdma_resolve_addr(client_.id.get(), nullptr, Sockaddr(&dst), 2000), 0);
     ASSERT_TRUE(
         WaitCmEvent(client_events_.get(), RDMA_CM_EVENT_ADDR_RESOLVED, kTimeout)
             .ok());
     ASSERT_EQ(rdma_resolve_route(client_.id.get(), 2000), 0);
-    auto route = WaitCmEvent(client_events_.get(),
-                             RDMA_CM_EVENT_ROUTE_RESOLVED, kTimeout);
+    auto route = WaitCmEvent(client_events_.get(), RDMA_CM_EVENT_ROUTE_RESOLVED,
+                             kTimeout);
     ASSERT_TRUE(route.ok()) << route.status();
     Status s = client_.Setup(kBufferBytes);
     ASSERT_TRUE(s.ok()) << s;
@@ -150,11 +150,11 @@ class VerbsSelfTest : public ::testing::Test {
         << VerbsError("rdma_accept", errno);
     // The client's librdmacm moves its queue pair to RTS and answers the
     // server (RTU) while it handles the connect response: client first.
-    auto established = WaitCmEvent(client_events_.get(),
-                                   RDMA_CM_EVENT_ESTABLISHED, kTimeout);
+    auto established =
+        WaitCmEvent(client_events_.get(), RDMA_CM_EVENT_ESTABLISHED, kTimeout);
     ASSERT_TRUE(established.ok()) << established.status();
-    established = WaitCmEvent(server_events_.get(), RDMA_CM_EVENT_ESTABLISHED,
-                              kTimeout);
+    established =
+        WaitCmEvent(server_events_.get(), RDMA_CM_EVENT_ESTABLISHED, kTimeout);
     ASSERT_TRUE(established.ok()) << established.status();
   }
 
@@ -186,7 +186,8 @@ class VerbsSelfTest : public ::testing::Test {
 };
 
 TEST_F(VerbsSelfTest, SendRecvByteExact) {
-  for (size_t length : {size_t{1}, size_t{4096}, size_t{65536}, size_t{1} << 20}) {
+  for (size_t length :
+       {size_t{1}, size_t{4096}, size_t{65536}, size_t{1} << 20}) {
     SCOPED_TRACE(length);
     std::fill(server_.buffer.begin(), server_.buffer.end(), 0);
     ASSERT_TRUE(server_.PostRecv(0, length, 7).ok());
@@ -313,8 +314,7 @@ TEST(VerbsErrors, ConnectWithNoListenerIsAnErrorNotAHang) {
   ASSERT_TRUE(qp.ok()) << qp.status();
   rdma_conn_param param{};
   ASSERT_EQ(rdma_connect(id->get(), &param), 0);
-  auto event =
-      WaitCmEvent(events->get(), RDMA_CM_EVENT_ESTABLISHED, kTimeout);
+  auto event = WaitCmEvent(events->get(), RDMA_CM_EVENT_ESTABLISHED, kTimeout);
   ASSERT_FALSE(event.ok());
   EXPECT_EQ(event.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_NE(event.status().message().find("REJECTED"), std::string::npos)
