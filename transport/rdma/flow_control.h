@@ -1,0 +1,97 @@
+// Credit-based flow control for one RDMA connection.
+//
+// A SEND (or a WRITE WITH IMMEDIATE) consumes one receive the peer posted;
+// any work request needs a free slot in our send queue. CreditWindow counts
+// both, so a work request is posted only when both are there: no send ever
+// fails for lack of either, and the peer never answers receiver-not-ready.
+// What cannot go yet waits in the connection's queue until
+// OnPeerReturned/OnSendCompleted make room.
+//
+// Credits come back piggybacked: every frame's preamble carries the number of
+// receives its sender re-posted since its previous frame. When a side has
+// nothing else to send it returns them in a credit frame once
+// `return_threshold` have piled up. The last peer receive is kept for such a
+// frame (data frames leave it alone), so two sides that both ran out can
+// always tell each other; credit frames themselves are returned lazily, so
+// they never ping-pong.
+//
+//   CreditWindow window({.peer_receives = 64, .send_queue_slots = 128});
+//   if (window.TryTakeForData()) {
+//     preamble.credits = window.TakeReturnable();
+//     post the SEND;
+//   }
+//   ... on the send's completion: window.OnSendCompleted();
+//   ... on a received frame:      window.OnPeerReturned(preamble.credits);
+//                                 re-post the receive;
+//                                 window.OnReceiveReposted();
+//   if (window.ShouldSendCreditReturn() && window.TryTakeForCreditReturn()) ...
+//
+// Not thread-safe: one connection's progress thread owns it.
+#ifndef RDMARPC_TRANSPORT_RDMA_FLOW_CONTROL_H_
+#define RDMARPC_TRANSPORT_RDMA_FLOW_CONTROL_H_
+
+#include <cstdint>
+
+#include "rdmarpc/status.h"
+
+namespace rdmarpc::rdma {
+
+class CreditWindow {
+ public:
+  struct Options {
+    // Receives the peer posted for us at connection time (from the
+    // handshake); also the most it can ever owe us.
+    uint32_t peer_receives = 64;
+    // Our send queue depth (max_send_wr of the queue pair).
+    uint32_t send_queue_slots = 128;
+    // Our own posted receives: the most credits we can owe the peer.
+    uint32_t own_receives = 64;
+    // Pending returns that justify a frame of their own; 0: half of
+    // own_receives. At least 2 (one credit frame then cannot answer
+    // another) and below own_receives (so a side that holds all but the
+    // reserved credit always gets them back): receives must be >= 4.
+    uint32_t return_threshold = 0;
+  };
+
+  // Call Validate(options) first; the constructor assumes valid options.
+  explicit CreditWindow(const Options& options);
+  // INVALID_ARGUMENT naming the setting when the window could stall.
+  [[nodiscard]] static Status Validate(const Options& options);
+
+  // A frame that is not a pure credit return, or a WRITE WITH IMMEDIATE:
+  // takes one peer receive (keeping the last one back) and one send slot.
+  [[nodiscard]] bool TryTakeForData();
+  // A credit frame: may take the last peer receive. False when there is
+  // nothing to return.
+  [[nodiscard]] bool TryTakeForCreditReturn();
+  // A WRITE without immediate consumes no receive: one send slot.
+  [[nodiscard]] bool TryTakeSendSlot();
+
+  // The count to put in the next frame's preamble; resets it.
+  uint32_t TakeReturnable();
+  // Whether pending returns justify a credit frame now.
+  bool ShouldSendCreditReturn() const;
+
+  // `n` of our work requests completed (their send slots are free again).
+  // INTERNAL if more complete than were taken: a bookkeeping bug.
+  [[nodiscard]] Status OnSendCompleted(uint32_t n = 1);
+  // The peer returned `n` receives. FAILED_PRECONDITION (a protocol
+  // violation: fail the connection) if it returns more than it owes.
+  [[nodiscard]] Status OnPeerReturned(uint32_t n);
+  // We re-posted one receive the peer had consumed.
+  [[nodiscard]] Status OnReceiveReposted();
+
+  uint32_t peer_credits() const { return peer_credits_; }
+  uint32_t free_send_slots() const { return free_slots_; }
+  uint32_t returnable() const { return returnable_; }
+
+ private:
+  Options options_;
+  uint32_t peer_credits_;
+  uint32_t free_slots_;
+  uint32_t returnable_ = 0;
+};
+
+}  // namespace rdmarpc::rdma
+
+#endif  // RDMARPC_TRANSPORT_RDMA_FLOW_CONTROL_H_
