@@ -159,6 +159,12 @@ StatusOr<CmEvent> WaitCmEvent(rdma_event_channel* events,
   }
   int status = event->status;
   rdma_ack_cm_event(event);
+  if (out.type != expected && out.type == RDMA_CM_EVENT_CONNECT_REQUEST) {
+    // Nobody will own the new id: refuse the peer and free it.
+    rdma_reject(out.id, nullptr, 0);
+    rdma_destroy_id(out.id);
+    out.id = nullptr;
+  }
   if (out.type != expected) {
     std::string detail;
     if (out.type == RDMA_CM_EVENT_REJECTED) {
