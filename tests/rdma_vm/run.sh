@@ -125,7 +125,7 @@ extract_pvh_kernel() {  # extract_pvh_kernel BZIMAGE OUT
   for magic in 'xz:\xfd7zXZ\x00' 'zstd:\x28\xb5\x2f\xfd' 'gzip:\x1f\x8b\x08\x00'; do
     tool="${magic%%:*}"
     command -v "$tool" >/dev/null || continue
-    offset="$(LC_ALL=C grep -obUaP "${magic#*:}" "$1" | head -n 1 | cut -d: -f1)"
+    offset="$(LC_ALL=C grep -obUaP "${magic#*:}" "$1" | head -n 1 | cut -d: -f1 || true)"
     [ -n "$offset" ] || continue
     tail -c +"$((offset + 1))" "$1" | "$tool" -dc >"$2" 2>/dev/null || true
     # Trailing bytes after the stream make the tool complain; what counts is
