@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "runtime/transport.h"
 #include "transport/grpc/grpc_client.h"
+#include "transport/rdma/rdma_client.h"
 
 namespace rdmarpc {
 
@@ -36,11 +37,79 @@ Channel::Channel(std::string target, ChannelOptions options)
       grpc_(std::make_unique<grpc_transport::GrpcClientTransport>(target_,
                                                                   options_)) {}
 
-Channel::~Channel() = default;
+Channel::~Channel() {
+  if (connector_.joinable()) connector_.join();
+  // Calls still on RDMA fail with UNAVAILABLE; then gRPC goes.
+  rdma_.reset();
+}
 
 std::shared_ptr<Channel> CreateChannel(std::string target,
                                        ChannelOptions options) {
   return std::shared_ptr<Channel>(new Channel(std::move(target), options));
+}
+
+void Channel::ConnectRdma() {
+  auto connected = rdma::RdmaClientTransport::Connect(grpc_.get(), options_);
+  std::vector<internal::ClientCall> waiting;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (connected.ok()) {
+      rdma_ = *std::move(connected);
+      rdma_state_ = RdmaState::kReady;
+    } else {
+      rdma_state_ = RdmaState::kUnavailable;
+      rdma_reason_ = std::string(connected.status().message());
+    }
+    waiting.swap(waiting_);
+  }
+  for (auto& call : waiting) Route(std::move(call));
+}
+
+void Channel::Route(internal::ClientCall call) {
+  CallStats* stats = call.ctx->mutable_stats();
+  internal::ClientTransport* transport = grpc_.get();
+  if (options_.policy == TransportPolicy::kGrpc) {
+    stats->transport_reason = "policy 'grpc'";
+  } else {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (rdma_state_ == RdmaState::kReady) {
+      Status health = rdma_->health();
+      if (health.ok()) {
+        transport = rdma_.get();
+      } else {
+        rdma_state_ = RdmaState::kUnavailable;
+        rdma_reason_ =
+            absl::StrCat("RDMA connection lost (", health.message(), ")");
+      }
+    }
+    switch (rdma_state_) {
+      case RdmaState::kUnknown:
+        rdma_state_ = RdmaState::kConnecting;
+        if (connector_.joinable()) connector_.join();
+        connector_ = std::thread([this] { ConnectRdma(); });
+        [[fallthrough]];
+      case RdmaState::kConnecting:
+        waiting_.push_back(std::move(call));
+        return;
+      case RdmaState::kReady:
+        break;
+      case RdmaState::kUnavailable:
+        if (options_.policy == TransportPolicy::kRdma) {
+          stats->transport_reason = rdma_reason_;
+          lock.unlock();
+          auto done = std::move(call.done);
+          done(absl::UnavailableError(absl::StrCat(
+              "call ", call.method, " not sent: policy 'rdma' and ",
+              stats->transport_reason)));
+          return;
+        }
+        stats->transport_reason = absl::StrCat("policy 'auto': ", rdma_reason_,
+                                               "; gRPC carries the call");
+        break;
+    }
+  }
+  stats->transport = transport->kind();
+  transport->Start(std::move(call));
 }
 
 void Channel::CallAsync(std::string_view method, ClientContext* ctx,
@@ -54,25 +123,6 @@ void Channel::CallAsync(std::string_view method, ClientContext* ctx,
   }
   CallStats* stats = ctx->mutable_stats();
   stats->call_id = next_call_id_.fetch_add(1);
-  switch (options_.policy) {
-    case TransportPolicy::kRdma:
-      stats->transport_reason =
-          "policy 'rdma' requires the RDMA transport, which this build does "
-          "not have yet";
-      done(absl::UnavailableError(absl::StrCat(
-          "call ", std::string(method), " not sent: ", stats->transport_reason,
-          "; use policy 'auto' or 'grpc'")));
-      return;
-    case TransportPolicy::kGrpc:
-      stats->transport_reason = "policy 'grpc'";
-      break;
-    case TransportPolicy::kAuto:
-      stats->transport_reason =
-          "policy 'auto': no RDMA transport in this build, gRPC carries the "
-          "call";
-      break;
-  }
-  stats->transport = grpc_->kind();
   if (ctx->IsCancelled()) {
     done(absl::CancelledError("call cancelled before start"));
     return;
@@ -85,7 +135,7 @@ void Channel::CallAsync(std::string_view method, ClientContext* ctx,
   call.call_id = stats->call_id;
   call.max_response_tensor_bytes = options_.max_response_tensor_bytes;
   call.done = std::move(done);
-  grpc_->Start(std::move(call));
+  Route(std::move(call));
 }
 
 Status Channel::Call(std::string_view method, ClientContext* ctx,

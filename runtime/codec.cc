@@ -92,6 +92,11 @@ StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
           absl::StrCat(Describe(i, t), ": ", t.data().size(),
                        " inline bytes where dtype and shape need ", expected));
     }
+    if (!p.landing.empty() && p.landing.size() < expected) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(Describe(i, t), " is ", expected,
+                       " bytes; its landing buffer holds ", p.landing.size()));
+    }
     if (expected > max_bytes - result.total_bytes) {
       return absl::ResourceExhaustedError(
           absl::StrCat("message tensors exceed the receiver's limit of ",
@@ -105,8 +110,29 @@ StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
   for (size_t i = 0; i < fields.size(); ++i) {
     Tensor& t = *fields[i];
     const IncomingPart& p = parts[i];
+    Device placement_of_bytes = placement;
     TensorBuffer bytes;
-    if (p.out_of_band) {
+    if (!p.landing.empty()) {
+      bytes = p.landing.Slice(0, p.size);
+      const bool inline_copy = !p.out_of_band;
+      if (bytes.device() != placement && !inline_copy) {
+        // Landed elsewhere (host staging for a device placement): move it.
+        RDMARPC_ASSIGN_OR_RETURN(TensorBuffer moved,
+                                 TensorBuffer::Allocate(p.size, placement));
+        RDMARPC_RETURN_IF_ERROR(CopyBytes(moved.data(), placement, bytes.data(),
+                                          bytes.device(), p.size));
+        result.cpu_copied_bytes += p.size;
+        bytes = std::move(moved);
+      } else if (inline_copy) {
+        RDMARPC_RETURN_IF_ERROR(CopyBytes(bytes.data(), bytes.device(),
+                                          t.data().data(), Device::Host(),
+                                          p.size));
+        result.cpu_copied_bytes += p.size;
+        t.clear_data();
+      }
+      if (p.out_of_band) result.landing.push_back(bytes);
+      placement_of_bytes = bytes.device();
+    } else if (p.out_of_band) {
       RDMARPC_ASSIGN_OR_RETURN(bytes,
                                TensorBuffer::Allocate(p.size, placement));
       result.landing.push_back(bytes);
@@ -120,8 +146,8 @@ StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
       result.cpu_copied_bytes += p.size;
       t.clear_data();
     }
-    t.set_device_type(placement.type);
-    t.set_device_index(placement.index);
+    t.set_device_type(placement_of_bytes.type);
+    t.set_device_index(placement_of_bytes.index);
     t.set_byte_size(p.size);
     tensors->Bind(t, std::move(bytes));
   }

@@ -38,6 +38,10 @@ StatusOr<OutgoingPlan> PlanOutgoing(const google::protobuf::Message& msg,
 struct IncomingPart {
   bool out_of_band = false;
   uint64_t size = 0;
+  // Where the bytes land instead of a fresh allocation: memory the
+  // transport already filled (RDMA), or a buffer the user supplied for a
+  // response tensor. Must hold at least `size` bytes.
+  TensorBuffer landing;
 };
 
 struct IncomingResult {
@@ -52,7 +56,8 @@ struct IncomingResult {
 // Checks the tensors of `msg` (just parsed from peer bytes) against `parts`:
 // count, dtype, shape, sizes, and the `max_bytes` budget, all before
 // allocating anything. Then allocates landing memory on `placement` for the
-// out-of-band tensors, and binds every tensor in `tensors`: inline ones as
+// out-of-band tensors (or uses part.landing, copying it to `placement` when
+// it lies elsewhere), and binds every tensor in `tensors`: inline ones as
 // views of their data (kept alive by `owner`, which must own `msg`) or as
 // copies when `placement` is a device. Marks each tensor's device fields
 // with where its bytes are. Errors are INVALID_ARGUMENT (a bad peer) or

@@ -8,6 +8,8 @@
 #include "runtime/thread_pool.h"
 #include "runtime/transport.h"
 #include "transport/grpc/grpc_server.h"
+#include "transport/rdma/rdma_client.h"
+#include "transport/rdma/rdma_server.h"
 
 namespace rdmarpc {
 
@@ -37,10 +39,12 @@ namespace internal {
 class ServerDispatcher final : public Dispatcher {
  public:
   ServerDispatcher(absl::flat_hash_map<std::string, ServerMethod> methods,
-                   int workers, uint64_t max_request_tensor_bytes)
+                   int workers, uint64_t max_request_tensor_bytes,
+                   bool run_inline)
       : methods_(std::move(methods)),
         max_request_tensor_bytes_(max_request_tensor_bytes),
-        pool_(workers) {}
+        run_inline_(run_inline),
+        pool_(run_inline ? 1 : workers) {}
 
   const ServerMethod* Find(std::string_view path) const override {
     auto it = methods_.find(absl::string_view(path.data(), path.size()));
@@ -54,8 +58,8 @@ class ServerDispatcher final : public Dispatcher {
   void Execute(std::shared_ptr<ServerCallState> state,
                std::shared_ptr<google::protobuf::Message> request,
                Completion done) override {
-    pool_.Post([state = std::move(state), request = std::move(request),
-                done = std::move(done)] {
+    auto task = [state = std::move(state), request = std::move(request),
+                 done = std::move(done)] {
       if (state->cancelled.load()) {
         done(absl::CancelledError("call cancelled before its handler ran"),
              nullptr);
@@ -76,12 +80,18 @@ class ServerDispatcher final : public Dispatcher {
             absl::StrCat("handler of ", m.path, " threw a non-exception"));
       }
       done(std::move(status), std::move(response));
-    });
+    };
+    if (run_inline_) {
+      task();
+    } else {
+      pool_.Post(std::move(task));
+    }
   }
 
  private:
   absl::flat_hash_map<std::string, ServerMethod> methods_;
   uint64_t max_request_tensor_bytes_;
+  bool run_inline_;
   ThreadPool pool_;
 };
 
@@ -119,6 +129,21 @@ ServerBuilder& ServerBuilder::SetMethodTensorPlacement(std::string method_path,
 
 ServerBuilder& ServerBuilder::SetMaxRequestTensorBytes(uint64_t bytes) {
   max_request_tensor_bytes_ = bytes;
+  return *this;
+}
+
+ServerBuilder& ServerBuilder::EnableRdma(bool enable) {
+  rdma_ = enable;
+  return *this;
+}
+
+ServerBuilder& ServerBuilder::SetRdmaReceives(uint32_t receives) {
+  rdma_receives_ = receives;
+  return *this;
+}
+
+ServerBuilder& ServerBuilder::SetRunHandlersInline(bool run_inline) {
+  handlers_inline_ = run_inline;
   return *this;
 }
 
@@ -167,12 +192,53 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
           ? workers_
           : std::max(4, static_cast<int>(std::thread::hardware_concurrency()));
   std::unique_ptr<Server> server(new Server());
+  if (rdma_receives_ < 4 || rdma_receives_ > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ServerBuilder: SetRdmaReceives(", rdma_receives_,
+                     ") outside 4..4096"));
+  }
   server->dispatcher_ = std::make_unique<internal::ServerDispatcher>(
-      std::move(methods), workers, max_request_tensor_bytes_);
-  RDMARPC_ASSIGN_OR_RETURN(auto grpc,
-                           grpc_transport::GrpcServerTransport::Start(
-                               ports_, server->dispatcher_.get()));
+      std::move(methods), workers, max_request_tensor_bytes_, handlers_inline_);
+  std::unique_ptr<rdma::RdmaServerTransport> rdma;
+  std::string no_rdma = "RDMA disabled in the server's configuration";
+  if (rdma_) {
+    rdma::RdmaServerOptions options;
+    options.receives = rdma_receives_;
+    auto started =
+        rdma::RdmaServerTransport::Start(server->dispatcher_.get(), options);
+    if (started.ok()) {
+      rdma = *std::move(started);
+    } else {
+      no_rdma = std::string(started.status().message());
+    }
+  }
+  std::map<std::string, grpc_transport::GrpcServerTransport::InternalMethod>
+      internal_methods;
+  if (rdma) {
+    rdma::RdmaServerTransport* raw = rdma.get();
+    internal_methods[rdma::kHelloMethod] = [raw](const std::string& peer,
+                                                 const std::string& request) {
+      return raw->Hello(peer, request);
+    };
+    server->rdma_stats_ = [raw] { return raw->stats(); };
+  } else {
+    internal_methods[rdma::kHelloMethod] =
+        [no_rdma](const std::string&,
+                  const std::string&) -> StatusOr<std::string> {
+      return rdma::RdmaServerTransport::HelloUnavailable(no_rdma);
+    };
+    server->rdma_stats_ = [no_rdma] {
+      RdmaServerStats stats;
+      stats.status = absl::StrCat("no RDMA: ", no_rdma);
+      return stats;
+    };
+  }
+  RDMARPC_ASSIGN_OR_RETURN(
+      auto grpc,
+      grpc_transport::GrpcServerTransport::Start(
+          ports_, server->dispatcher_.get(), std::move(internal_methods)));
   server->transports_.push_back(std::move(grpc));
+  if (rdma) server->transports_.push_back(std::move(rdma));
   return server;
 }
 
@@ -198,6 +264,8 @@ void Server::Shutdown(std::chrono::system_clock::time_point deadline) {
   }
   cv_.notify_all();
 }
+
+RdmaServerStats Server::rdma_stats() const { return rdma_stats_(); }
 
 void Server::Wait() {
   std::unique_lock<std::mutex> lock(mu_);

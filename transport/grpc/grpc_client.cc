@@ -6,6 +6,7 @@
 #include <grpcpp/support/channel_arguments.h>
 #include <grpcpp/support/client_callback.h>
 
+#include <future>
 #include <mutex>
 #include <utility>
 
@@ -38,8 +39,9 @@ class GrpcCanceller final : public internal::CallCanceller {
 };
 
 // One call: writes the lean request, reads the lean response. Deleted on a
-// runtime thread after OnDone. The user's callback runs when both the call is done and gRPC has
-// released every slice that references the request's tensor memory.
+// runtime thread after OnDone. The user's callback runs when both the call is
+// done and gRPC has released every slice that references the request's tensor
+// memory.
 class ClientCallReactor final
     : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
@@ -165,7 +167,8 @@ class ClientCallReactor final
         internal::IncomingResult r,
         AcceptHead(head, call_.response, call_.ctx->response_placement(),
                    call_.max_response_tensor_bytes, nullptr,
-                   &call_.ctx->tensors()));
+                   &call_.ctx->tensors(),
+                   call_.ctx->response_tensor_buffers()));
     received_bytes_ = r.total_bytes;
     accept_copied_ = r.cpu_copied_bytes;
     return std::move(r.landing);
@@ -200,6 +203,31 @@ GrpcClientTransport::GrpcClientTransport(const std::string& target,
       }()),
       stub_(channel_),
       chunk_bytes_(options.grpc_chunk_bytes) {}
+
+StatusOr<std::string> GrpcClientTransport::UnaryBytes(
+    const std::string& method, const std::string& request,
+    std::chrono::milliseconds timeout) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  grpc::Slice slice(request);
+  grpc::ByteBuffer request_buf(&slice, 1);
+  grpc::ByteBuffer response_buf;
+  std::promise<grpc::Status> done;
+  stub_.UnaryCall(&ctx, method, grpc::StubOptions(), &request_buf,
+                  &response_buf,
+                  [&done](grpc::Status s) { done.set_value(std::move(s)); });
+  grpc::Status status = done.get_future().get();
+  if (!status.ok()) return FromGrpc(status);
+  std::vector<grpc::Slice> slices;
+  if (!response_buf.Dump(&slices).ok()) {
+    return absl::InternalError("cannot read the response bytes");
+  }
+  std::string out;
+  for (const grpc::Slice& s : slices) {
+    out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  return out;
+}
 
 void GrpcClientTransport::Start(internal::ClientCall call) {
   (new ClientCallReactor(std::move(call), chunk_bytes_))->Start(&stub_);

@@ -6,6 +6,7 @@
 #include <grpcpp/channel.h>
 #include <grpcpp/generic/generic_stub.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -20,6 +21,13 @@ class GrpcClientTransport final : public internal::ClientTransport {
 
   TransportKind kind() const override { return TransportKind::kGrpc; }
   void Start(internal::ClientCall call) override;
+
+  // One plain unary call with serialized bytes each way, for the runtime's
+  // own methods (the RDMA handshake). Blocks up to `timeout`; must not run
+  // on a gRPC callback thread.
+  StatusOr<std::string> UnaryBytes(const std::string& method,
+                                   const std::string& request,
+                                   std::chrono::milliseconds timeout);
 
  private:
   std::shared_ptr<grpc::Channel> channel_;

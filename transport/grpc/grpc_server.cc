@@ -122,7 +122,8 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
     RDMARPC_RETURN_IF_ERROR(internal::CollectTensors(*request_, &fields));
     std::vector<internal::IncomingPart> parts;
     parts.reserve(fields.size());
-    for (const Tensor* t : fields) parts.push_back({false, t->data().size()});
+    for (const Tensor* t : fields)
+      parts.push_back({false, t->data().size(), {}});
     return internal::AcceptIncoming(request_.get(), parts,
                                     state_->method().placement,
                                     dispatcher_->max_request_tensor_bytes(),
@@ -232,15 +233,57 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
   bool finished_ = false;
 };
 
+// A runtime method: one request message in, one response message out.
+class InternalCallReactor final : public grpc::ServerGenericBidiReactor {
+ public:
+  InternalCallReactor(grpc::GenericCallbackServerContext* gctx,
+                      const GrpcServerTransport::InternalMethod* method)
+      : gctx_(gctx), method_(method) {
+    StartRead(&read_buf_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      return Finish(ToGrpc(absl::InvalidArgumentError("no request message")));
+    }
+    std::vector<grpc::Slice> slices;
+    std::string request;
+    if (read_buf_.Dump(&slices).ok()) {
+      for (const grpc::Slice& s : slices) {
+        request.append(reinterpret_cast<const char*>(s.begin()), s.size());
+      }
+    }
+    StatusOr<std::string> response = (*method_)(gctx_->peer(), request);
+    if (!response.ok()) return Finish(ToGrpc(response.status()));
+    grpc::Slice slice(*response);
+    write_buf_ = grpc::ByteBuffer(&slice, 1);
+    StartWriteAndFinish(&write_buf_, grpc::WriteOptions(), grpc::Status::OK);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  grpc::GenericCallbackServerContext* gctx_;
+  const GrpcServerTransport::InternalMethod* method_;
+  grpc::ByteBuffer read_buf_;
+  grpc::ByteBuffer write_buf_;
+};
+
 }  // namespace
 
 class GrpcServerTransport::Service final : public grpc::CallbackGenericService {
  public:
-  explicit Service(internal::Dispatcher* dispatcher)
-      : dispatcher_(dispatcher) {}
+  Service(internal::Dispatcher* dispatcher,
+          std::map<std::string, InternalMethod> internal_methods)
+      : dispatcher_(dispatcher),
+        internal_methods_(std::move(internal_methods)) {}
 
   grpc::ServerGenericBidiReactor* CreateReactor(
       grpc::GenericCallbackServerContext* gctx) override {
+    if (auto it = internal_methods_.find(gctx->method());
+        it != internal_methods_.end()) {
+      return new InternalCallReactor(gctx, &it->second);
+    }
     auto* reactor = new ServerCallReactor(gctx, dispatcher_);
     reactor->Begin();
     return reactor;
@@ -248,13 +291,16 @@ class GrpcServerTransport::Service final : public grpc::CallbackGenericService {
 
  private:
   internal::Dispatcher* dispatcher_;
+  std::map<std::string, InternalMethod> internal_methods_;
 };
 
 StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::Start(
     const std::vector<std::pair<std::string, int*>>& ports,
-    internal::Dispatcher* dispatcher) {
+    internal::Dispatcher* dispatcher,
+    std::map<std::string, InternalMethod> internal_methods) {
   std::unique_ptr<GrpcServerTransport> t(new GrpcServerTransport());
-  t->service_ = std::make_unique<Service>(dispatcher);
+  t->service_ =
+      std::make_unique<Service>(dispatcher, std::move(internal_methods));
   grpc::ServerBuilder builder;
   std::vector<int> bound(ports.size(), 0);
   for (size_t i = 0; i < ports.size(); ++i) {

@@ -7,6 +7,8 @@
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/server.h>
 
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -18,10 +20,17 @@ namespace rdmarpc::grpc_transport {
 
 class GrpcServerTransport final : public internal::ServerTransport {
  public:
+  // A runtime method served on the gRPC port (the RDMA handshake): request
+  // bytes and the caller's address in, response bytes out. Runs on a gRPC
+  // thread and must not block.
+  using InternalMethod = std::function<StatusOr<std::string>(
+      const std::string& peer, const std::string& request)>;
+
   // Binds `ports` (address, optional out-param for the bound port).
   static StatusOr<std::unique_ptr<GrpcServerTransport>> Start(
       const std::vector<std::pair<std::string, int*>>& ports,
-      internal::Dispatcher* dispatcher);
+      internal::Dispatcher* dispatcher,
+      std::map<std::string, InternalMethod> internal_methods = {});
 
   ~GrpcServerTransport() override;
 

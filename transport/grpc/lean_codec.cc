@@ -43,12 +43,10 @@ LeanHead MakeHead(std::string serialized_message,
   return head;
 }
 
-StatusOr<internal::IncomingResult> AcceptHead(const LeanHead& head,
-                                              google::protobuf::Message* msg,
-                                              Device placement,
-                                              uint64_t max_bytes,
-                                              std::shared_ptr<const void> owner,
-                                              CallTensors* tensors) {
+StatusOr<internal::IncomingResult> AcceptHead(
+    const LeanHead& head, google::protobuf::Message* msg, Device placement,
+    uint64_t max_bytes, std::shared_ptr<const void> owner, CallTensors* tensors,
+    std::span<const TensorBuffer> supplied) {
   if (!msg->ParseFromString(head.message())) {
     return absl::InvalidArgumentError(
         absl::StrCat("message does not parse as ", msg->GetTypeName()));
@@ -56,7 +54,9 @@ StatusOr<internal::IncomingResult> AcceptHead(const LeanHead& head,
   std::vector<internal::IncomingPart> parts;
   parts.reserve(head.tensors_size());
   for (const TensorPart& p : head.tensors()) {
-    parts.push_back({p.out_of_band(), p.size()});
+    TensorBuffer landing;
+    if (parts.size() < supplied.size()) landing = supplied[parts.size()];
+    parts.push_back({p.out_of_band(), p.size(), std::move(landing)});
   }
   return internal::AcceptIncoming(msg, parts, placement, max_bytes,
                                   std::move(owner), tensors);

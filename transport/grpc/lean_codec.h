@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "rdmarpc/memory.h"
@@ -33,12 +34,11 @@ LeanHead MakeHead(std::string serialized_message,
 
 // Parses head.message() into `msg` and checks and binds its tensors as the
 // head describes them (see internal::AcceptIncoming for the arguments).
-StatusOr<internal::IncomingResult> AcceptHead(const LeanHead& head,
-                                              google::protobuf::Message* msg,
-                                              Device placement,
-                                              uint64_t max_bytes,
-                                              std::shared_ptr<const void> owner,
-                                              CallTensors* tensors);
+// `supplied[k]`, when not empty, is where tensor k lands.
+StatusOr<internal::IncomingResult> AcceptHead(
+    const LeanHead& head, google::protobuf::Message* msg, Device placement,
+    uint64_t max_bytes, std::shared_ptr<const void> owner, CallTensors* tensors,
+    std::span<const TensorBuffer> supplied = {});
 
 class LeanSender {
  public:

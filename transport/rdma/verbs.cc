@@ -133,21 +133,20 @@ StatusOr<CmQueuePair> CreateRcQp(rdma_cm_id* id, ibv_pd* pd, ibv_cq* cq,
   return CmQueuePair(id);
 }
 
-StatusOr<CmEvent> WaitCmEvent(rdma_event_channel* events,
-                              rdma_cm_event_type expected,
+StatusOr<CmEvent> NextCmEvent(rdma_event_channel* events,
                               std::chrono::milliseconds timeout) {
   pollfd pfd{events->fd, POLLIN, 0};
   int ready = poll(&pfd, 1, static_cast<int>(timeout.count()));
   if (ready < 0) return VerbsError("poll on the CM event channel", errno);
   if (ready == 0) {
-    return absl::DeadlineExceededError(absl::StrCat(
-        "no ", rdma_event_str(expected), " within ", timeout.count(), " ms"));
+    return absl::DeadlineExceededError(
+        absl::StrCat("no CM event within ", timeout.count(), " ms"));
   }
   rdma_cm_event* event = nullptr;
   if (rdma_get_cm_event(events, &event) != 0) {
     return VerbsError("rdma_get_cm_event", LastErrno());
   }
-  CmEvent out{event->event, event->id, event->listen_id, {}};
+  CmEvent out{event->event, event->id, event->listen_id, {}, event->status};
   if (event->param.conn.private_data != nullptr &&
       event->param.conn.private_data_len > 0 &&
       (event->event == RDMA_CM_EVENT_CONNECT_REQUEST ||
@@ -157,8 +156,22 @@ StatusOr<CmEvent> WaitCmEvent(rdma_event_channel* events,
         static_cast<const char*>(event->param.conn.private_data),
         event->param.conn.private_data_len);
   }
-  int status = event->status;
   rdma_ack_cm_event(event);
+  return out;
+}
+
+StatusOr<CmEvent> WaitCmEvent(rdma_event_channel* events,
+                              rdma_cm_event_type expected,
+                              std::chrono::milliseconds timeout) {
+  auto next = NextCmEvent(events, timeout);
+  if (!next.ok()) {
+    if (next.status().code() != absl::StatusCode::kDeadlineExceeded) {
+      return next.status();
+    }
+    return absl::DeadlineExceededError(absl::StrCat(
+        "no ", rdma_event_str(expected), " within ", timeout.count(), " ms"));
+  }
+  CmEvent out = *std::move(next);
   if (out.type != expected && out.type == RDMA_CM_EVENT_CONNECT_REQUEST) {
     // Nobody will own the new id: refuse the peer and free it.
     rdma_reject(out.id, nullptr, 0);
@@ -168,9 +181,9 @@ StatusOr<CmEvent> WaitCmEvent(rdma_event_channel* events,
   if (out.type != expected) {
     std::string detail;
     if (out.type == RDMA_CM_EVENT_REJECTED) {
-      detail = absl::StrCat(" (reject status ", status, ")");
-    } else if (status != 0) {
-      detail = absl::StrCat(" (status ", status, ")");
+      detail = absl::StrCat(" (reject status ", out.status, ")");
+    } else if (out.status != 0) {
+      detail = absl::StrCat(" (status ", out.status, ")");
     }
     return absl::UnavailableError(
         absl::StrCat("expected ", rdma_event_str(expected), ", got ",

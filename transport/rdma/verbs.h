@@ -109,7 +109,13 @@ struct CmEvent {
                              // the caller from here on).
   rdma_cm_id* listen_id = nullptr;
   std::string private_data;  // Copied; the event's buffer dies on ack.
+  int status = 0;
 };
+// The next CM event of any type within `timeout` (DEADLINE_EXCEEDED if
+// none), acknowledged, with `status` holding the event's status field.
+// CONNECT_REQUEST ids are the caller's to accept or reject and destroy.
+[[nodiscard]] StatusOr<CmEvent> NextCmEvent(rdma_event_channel* events,
+                                            std::chrono::milliseconds timeout);
 [[nodiscard]] StatusOr<CmEvent> WaitCmEvent(rdma_event_channel* events,
                                             rdma_cm_event_type expected,
                                             std::chrono::milliseconds timeout);

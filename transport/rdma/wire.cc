@@ -66,7 +66,15 @@ Status CheckParts(
                                   limits.max_parts));
   }
   uint64_t inline_total = 0;
-  for (const auto& part : parts) {
+  for (int i = 0; i < parts.size(); ++i) {
+    const auto& part = parts[i];
+    if (part.in_message()) {
+      if (i == 0 || part.out_of_band()) {
+        return Malformed(
+            absl::StrCat("part ", i, " cannot lie inside the message"));
+      }
+      continue;
+    }
     if (part.out_of_band()) {
       if (part.size() == 0) return Malformed("an out-of-band part of 0 bytes");
       continue;

@@ -13,12 +13,16 @@
 #define RDMARPC_CHANNEL_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
+#include <thread>
+#include <vector>
 
 #include "google/protobuf/message.h"
 #include "rdmarpc/client_context.h"
@@ -42,11 +46,24 @@ struct ChannelOptions {
   // A response whose tensors add up to more than this fails with
   // RESOURCE_EXHAUSTED instead of allocating landing memory for them.
   uint64_t max_response_tensor_bytes = uint64_t{64} << 30;
+  // Handshake plus RDMA connect, before 'auto' settles for gRPC (and calls
+  // made meanwhile wait for the outcome).
+  std::chrono::milliseconds rdma_connect_timeout{5000};
+  // Request tensors up to this size go inside the RDMA SEND instead of by
+  // RDMA WRITE. 0: the server's advertised threshold.
+  uint64_t rdma_inline_threshold = 0;
 };
 
 namespace internal {
 class ClientTransport;
+struct ClientCall;
 }  // namespace internal
+namespace rdma {
+class RdmaClientTransport;
+}  // namespace rdma
+namespace grpc_transport {
+class GrpcClientTransport;
+}  // namespace grpc_transport
 
 class Channel {
  public:
@@ -81,11 +98,23 @@ class Channel {
   friend std::shared_ptr<Channel> CreateChannel(std::string target,
                                                 ChannelOptions options);
   Channel(std::string target, ChannelOptions options);
+  // Hands `call` to the transport the policy and the RDMA state pick.
+  void Route(internal::ClientCall call);
+  void ConnectRdma();
+
+  enum class RdmaState { kUnknown, kConnecting, kReady, kUnavailable };
 
   std::string target_;
   ChannelOptions options_;
-  std::unique_ptr<internal::ClientTransport> grpc_;
+  std::unique_ptr<grpc_transport::GrpcClientTransport> grpc_;
   std::atomic<uint64_t> next_call_id_{1};
+
+  std::mutex mu_;
+  RdmaState rdma_state_ = RdmaState::kUnknown;
+  std::string rdma_reason_;  // why RDMA is not used (kUnavailable)
+  std::unique_ptr<rdma::RdmaClientTransport> rdma_;
+  std::vector<internal::ClientCall> waiting_;  // while kConnecting
+  std::thread connector_;
 };
 
 // Creates a channel to `target` ("host:port", "[v6]:port", "unix:path").

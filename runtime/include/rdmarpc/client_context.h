@@ -20,6 +20,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "rdmarpc/memory.h"
 #include "rdmarpc/tensor.h"
@@ -84,6 +86,25 @@ class ClientContext {
   void set_response_placement(Device device) { placement_ = device; }
   Device response_placement() const { return placement_; }
 
+  // Lands the response tensor number `index` (walk order: the order of the
+  // tensor fields in a depth-first walk of the set fields by field number)
+  // in `buffer` instead of memory the runtime allocates. Over RDMA the
+  // server writes straight into it. The call fails with RESOURCE_EXHAUSTED
+  // if that tensor is larger than `buffer`. The buffer is borrowed until
+  // the call completes.
+  //
+  //   std::vector<float> out(1 << 20);
+  //   ctx.SetResponseTensorBuffer(0, rdmarpc::TensorBuffer::Borrow(
+  //                                      out.data(), out.size() * 4));
+  void SetResponseTensorBuffer(size_t index, TensorBuffer buffer) {
+    if (response_buffers_.size() <= index) response_buffers_.resize(index + 1);
+    response_buffers_[index] = std::move(buffer);
+  }
+  // Indexed like the response's tensors; an empty buffer means none.
+  const std::vector<TensorBuffer>& response_tensor_buffers() const {
+    return response_buffers_;
+  }
+
   // Cancels the call if it is running (it then completes with CANCELLED),
   // or makes it fail with CANCELLED when started. Thread-safe; the call's
   // callback still runs exactly once.
@@ -112,6 +133,7 @@ class ClientContext {
   std::optional<std::chrono::system_clock::time_point> deadline_;
   std::multimap<std::string, std::string> metadata_;
   Device placement_ = Device::Host();
+  std::vector<TensorBuffer> response_buffers_;
   CallTensors tensors_;
   CallStats stats_;
   std::atomic<bool> cancelled_{false};

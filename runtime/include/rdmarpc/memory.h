@@ -122,6 +122,28 @@ int CudaDeviceCount();
 // reason ("built without CUDA", "no CUDA driver: ...", "no GPU", ...).
 Status CudaDeviceStatus(int index);
 
+// Registers host memory [data, data + size) (widened to whole pages) for
+// sending over RDMA: each connection registers it once, at its first use,
+// and keeps the registration, so calls that send tensors from it skip the
+// per-call registration (and its page pinning). Without it, the RDMA
+// transport registers a borrowed buffer for the duration of each call.
+//
+//   std::vector<float> weights(1 << 24);
+//   RDMARPC_RETURN_IF_ERROR(rdmarpc::RegisterMemoryForRdma(
+//       weights.data(), weights.size() * sizeof(float)));
+//   ... calls that send tensors from `weights` ...
+//   RDMARPC_RETURN_IF_ERROR(rdmarpc::UnregisterMemoryForRdma(weights.data()));
+//
+// The memory must stay allocated until UnregisterMemoryForRdma(data): a
+// registration pins the pages it saw, so after a free and a new allocation
+// at the same address it would send the old bytes. INVALID_ARGUMENT for an
+// empty range or one that overlaps a registered range.
+Status RegisterMemoryForRdma(const void* data, size_t size);
+// Drops the registration made with RegisterMemoryForRdma(data, ...) on
+// every connection; calls in flight keep theirs until they complete.
+// NOT_FOUND if `data` starts no registered range.
+Status UnregisterMemoryForRdma(const void* data);
+
 // Copies `size` bytes between any two devices (host or CUDA), synchronously.
 Status CopyBytes(void* dst, Device dst_device, const void* src,
                  Device src_device, size_t size);

@@ -117,6 +117,17 @@ class Service {
   std::vector<MethodDescriptor> methods_;
 };
 
+// What a server's RDMA side has done; see Server::rdma_stats().
+struct RdmaServerStats {
+  // "listening on 198.18.0.1:41234 (rxe0)", or why there is no RDMA.
+  std::string status;
+  uint64_t connections_accepted = 0;
+  // Connect requests without a valid one-time token from the handshake.
+  uint64_t connects_refused = 0;
+  // Connections closed because the peer broke the protocol.
+  uint64_t protocol_errors = 0;
+};
+
 class Server;
 namespace internal {
 class ServerTransport;
@@ -151,6 +162,18 @@ class ServerBuilder {
   // RESOURCE_EXHAUSTED before any landing memory is allocated.
   ServerBuilder& SetMaxRequestTensorBytes(uint64_t bytes);
 
+  // Whether to take RDMA connections (default: yes, when this host has an
+  // RDMA device with an ACTIVE port; clients are told why not otherwise).
+  ServerBuilder& EnableRdma(bool enable);
+  // Control receives per RDMA connection (at least 4; default 64): how many
+  // frames a client may have in flight before it waits for credits.
+  ServerBuilder& SetRdmaReceives(uint32_t receives);
+
+  // Runs handlers on the thread that received the call (the RDMA
+  // completion engine or a gRPC thread) instead of the worker pool: less
+  // latency, but a handler that blocks stalls every connection.
+  ServerBuilder& SetRunHandlersInline(bool run_inline);
+
   // Starts serving. INVALID_ARGUMENT for a bad configuration, UNAVAILABLE if
   // the port cannot be bound.
   StatusOr<std::unique_ptr<Server>> BuildAndStart();
@@ -162,6 +185,9 @@ class ServerBuilder {
   Device placement_ = Device::Host();
   std::map<std::string, Device> method_placement_;
   uint64_t max_request_tensor_bytes_ = uint64_t{64} << 30;
+  bool rdma_ = true;
+  uint32_t rdma_receives_ = 64;
+  bool handlers_inline_ = false;
 };
 
 class Server {
@@ -179,12 +205,15 @@ class Server {
   // Blocks until Shutdown() has completed (from another thread).
   void Wait();
 
+  RdmaServerStats rdma_stats() const;
+
  private:
   friend class ServerBuilder;
   Server();
 
   std::unique_ptr<internal::Dispatcher> dispatcher_;
   std::vector<std::unique_ptr<internal::ServerTransport>> transports_;
+  std::function<RdmaServerStats()> rdma_stats_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool shutdown_started_ = false;

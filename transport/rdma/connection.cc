@@ -1,0 +1,376 @@
+#include "transport/rdma/connection.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "transport/rdma/engine.h"
+
+namespace rdmarpc::rdma {
+namespace {
+
+// Receive work requests carry this bit plus the buffer index; send work
+// requests carry a sequence number below it.
+constexpr uint64_t kReceiveBit = uint64_t{1} << 63;
+
+CreditWindow::Options WindowOptions(const ConnectionConfig& c) {
+  return {.peer_receives = c.peer_receives,
+          .send_queue_slots = c.send_queue_slots,
+          .own_receives = c.receives,
+          .return_threshold = 0};
+}
+
+}  // namespace
+
+StatusOr<std::shared_ptr<Connection>> Connection::Create(
+    ConnectionResources resources, const ConnectionConfig& config,
+    std::shared_ptr<Handler> handler) {
+  RDMARPC_RETURN_IF_ERROR(CreditWindow::Validate(WindowOptions(config)));
+  int flags = fcntl(resources.completions->fd, F_GETFL);
+  if (flags < 0 ||
+      fcntl(resources.completions->fd, F_SETFL, flags | O_NONBLOCK) < 0) {
+    return VerbsError("making the completion channel non-blocking", errno);
+  }
+  std::shared_ptr<Connection> conn(
+      new Connection(std::move(resources), config, std::move(handler)));
+  for (uint32_t i = 0; i < config.receives; ++i) {
+    RDMARPC_RETURN_IF_ERROR(conn->PostReceive(i));
+  }
+  return conn;
+}
+
+Connection::Connection(ConnectionResources resources,
+                       const ConnectionConfig& config,
+                       std::shared_ptr<Handler> handler)
+    : res_(std::move(resources)),
+      config_(config),
+      handler_(std::move(handler)),
+      window_(WindowOptions(config)) {
+  for (uint32_t i = 0; i < config.peer_receives; ++i) {
+    free_send_buffers_.push_back(static_cast<int>(i));
+  }
+}
+
+Connection::~Connection() = default;
+
+Status Connection::PostReceive(uint32_t index) {
+  ibv_sge sge{};
+  sge.addr = reinterpret_cast<uintptr_t>(res_.receive_buffers.get() +
+                                         size_t{index} * config_.receive_bytes);
+  sge.length = config_.receive_bytes;
+  sge.lkey = res_.receive_mr->lkey;
+  ibv_recv_wr wr{};
+  wr.wr_id = kReceiveBit | index;
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  ibv_recv_wr* bad = nullptr;
+  int rc = ibv_post_recv(res_.qp.get(), &wr, &bad);
+  if (rc != 0) return VerbsError("ibv_post_recv", rc);
+  return absl::OkStatus();
+}
+
+Status Connection::SendFrame(
+    FrameType type, const google::protobuf::MessageLite* head,
+    std::span<const std::span<const uint8_t>> inline_parts) {
+  PendingFrame frame;
+  size_t inline_bytes = 0;
+  for (const auto& p : inline_parts) inline_bytes += p.size();
+  size_t head_bytes = head == nullptr ? 0 : head->ByteSizeLong();
+  size_t total = FrameBytes(head_bytes, inline_bytes);
+  if (total > config_.peer_receive_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("frame of ", total, " bytes exceeds the peer's ",
+                     config_.peer_receive_bytes, "-byte receive buffers"));
+  }
+  frame.bytes.resize(total);
+  RDMARPC_ASSIGN_OR_RETURN(size_t written,
+                           EncodeFrame(type, 0, head, inline_parts,
+                                       std::span<uint8_t>(frame.bytes)));
+  frame.bytes.resize(written);
+  Status pumped;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_.load()) return close_reason_;
+    if (!frames_.empty() || window_.peer_credits() <= 1 ||
+        window_.free_send_slots() == 0) {
+      ++counters_.waits_for_credit;
+    }
+    frames_.push_back(std::move(frame));
+    pumped = PumpLocked();
+  }
+  if (!pumped.ok()) Close(pumped);
+  return absl::OkStatus();
+}
+
+Status Connection::Write(const WriteRequest& request,
+                         std::function<void(Status)> done) {
+  Status pumped;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_.load()) return close_reason_;
+    if (!writes_.empty() || window_.free_send_slots() == 0) {
+      ++counters_.waits_for_credit;
+    }
+    writes_.push_back(PendingWrite{request, 0, std::move(done)});
+    pumped = PumpLocked();
+  }
+  if (!pumped.ok()) Close(pumped);
+  return absl::OkStatus();
+}
+
+Status Connection::PostFrameLocked(const PendingFrame& frame,
+                                   bool credit_only) {
+  int buffer = free_send_buffers_.back();
+  uint8_t* dst =
+      res_.send_buffers.get() +
+      size_t{static_cast<uint32_t>(buffer)} * config_.peer_receive_bytes;
+  std::memcpy(dst, frame.bytes.data(), frame.bytes.size());
+  // The credits field (preamble bytes 4..5) is filled at post time.
+  uint32_t credits = std::min<uint32_t>(window_.TakeReturnable(), 0xffff);
+  dst[4] = static_cast<uint8_t>(credits);
+  dst[5] = static_cast<uint8_t>(credits >> 8);
+  ibv_sge sge{};
+  sge.addr = reinterpret_cast<uintptr_t>(dst);
+  sge.length = static_cast<uint32_t>(frame.bytes.size());
+  sge.lkey = res_.send_mr->lkey;
+  ibv_send_wr wr{};
+  wr.wr_id = next_wr_id_++;
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  wr.opcode = IBV_WR_SEND;
+  wr.send_flags = IBV_SEND_SIGNALED;
+  ibv_send_wr* bad = nullptr;
+  int rc = ibv_post_send(res_.qp.get(), &wr, &bad);
+  if (rc != 0) return VerbsError("ibv_post_send (frame)", rc);
+  free_send_buffers_.pop_back();
+  posted_.emplace(wr.wr_id, Posted{buffer, nullptr});
+  ++counters_.frames_sent;
+  if (credit_only) ++counters_.credit_frames_sent;
+  return absl::OkStatus();
+}
+
+Status Connection::PostWritePieceLocked(PendingWrite& write, bool* finished) {
+  const WriteRequest& r = write.request;
+  uint64_t piece = std::min(r.length - write.offset, config_.max_write_bytes);
+  bool last = write.offset + piece == r.length;
+  ibv_sge sge{};
+  sge.addr = reinterpret_cast<uintptr_t>(r.local) + write.offset;
+  sge.length = static_cast<uint32_t>(piece);
+  sge.lkey = r.lkey;
+  ibv_send_wr wr{};
+  wr.wr_id = next_wr_id_++;
+  wr.sg_list = piece == 0 ? nullptr : &sge;
+  wr.num_sge = piece == 0 ? 0 : 1;
+  wr.opcode =
+      last && r.immediate ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
+  if (last && r.immediate) wr.imm_data = htonl(*r.immediate);
+  wr.send_flags = IBV_SEND_SIGNALED;
+  wr.wr.rdma.remote_addr = r.remote_addr + write.offset;
+  wr.wr.rdma.rkey = r.rkey;
+  ibv_send_wr* bad = nullptr;
+  int rc = ibv_post_send(res_.qp.get(), &wr, &bad);
+  if (rc != 0) return VerbsError("ibv_post_send (write)", rc);
+  write.offset += piece;
+  ++counters_.writes_posted;
+  *finished = last;
+  posted_.emplace(wr.wr_id, Posted{-1, last ? std::move(write.done) : nullptr});
+  return absl::OkStatus();
+}
+
+Status Connection::PumpLocked() {
+  if (res_.qp.get() == nullptr) return absl::OkStatus();
+  while (!frames_.empty() && window_.TryTakeForData()) {
+    RDMARPC_RETURN_IF_ERROR(PostFrameLocked(frames_.front(), false));
+    frames_.pop_front();
+  }
+  while (!writes_.empty()) {
+    PendingWrite& w = writes_.front();
+    uint64_t remaining = w.request.length - w.offset;
+    bool last = remaining <= config_.max_write_bytes;
+    bool taken = last && w.request.immediate ? window_.TryTakeForData()
+                                             : window_.TryTakeSendSlot();
+    if (!taken) break;
+    bool finished = false;
+    RDMARPC_RETURN_IF_ERROR(PostWritePieceLocked(w, &finished));
+    if (finished) writes_.pop_front();
+  }
+  if (window_.ShouldSendCreditReturn() && window_.TryTakeForCreditReturn()) {
+    PendingFrame credit;
+    credit.bytes.resize(kPreambleBytes);
+    RDMARPC_RETURN_IF_ERROR(EncodeFrame(FrameType::kCredit, 0, nullptr, {},
+                                        std::span<uint8_t>(credit.bytes))
+                                .status());
+    RDMARPC_RETURN_IF_ERROR(PostFrameLocked(credit, true));
+  }
+  return absl::OkStatus();
+}
+
+bool Connection::Busy() const {
+  if (calls_waiting.load(std::memory_order_relaxed) > 0) return true;
+  std::lock_guard<std::mutex> lock(mu_);
+  return !posted_.empty();
+}
+
+Connection::Counters Connection::counters() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return counters_;
+}
+
+bool Connection::Poll() {
+  if (finished_) return false;
+  ibv_wc wcs[32];
+  int n = ibv_poll_cq(res_.cq.get(), 32, wcs);
+  if (n < 0) {
+    Fail("ibv_poll_cq failed");
+    return false;
+  }
+  for (int i = 0; i < n; ++i) HandleCompletion(wcs[i]);
+  return n > 0;
+}
+
+void Connection::Arm() {
+  if (!finished_) ibv_req_notify_cq(res_.cq.get(), 0);
+}
+
+void Connection::ConsumeEvents() {
+  ibv_cq* cq = nullptr;
+  void* context = nullptr;
+  unsigned events = 0;
+  while (ibv_get_cq_event(res_.completions.get(), &cq, &context) == 0) {
+    ++events;
+  }
+  if (events > 0) ibv_ack_cq_events(res_.cq.get(), events);
+}
+
+void Connection::Fail(const std::string& what) {
+  Close(absl::UnavailableError(absl::StrCat("RDMA connection failed: ", what)));
+}
+
+void Connection::HandleCompletion(const ibv_wc& wc) {
+  if (wc.status != IBV_WC_SUCCESS) {
+    if (!closed_.load()) {
+      Fail(absl::StrCat(ibv_wc_status_str(wc.status), " on a ",
+                        wc.wr_id & kReceiveBit ? "receive" : "send",
+                        " (vendor error ", wc.vendor_err, ")"));
+    }
+    if ((wc.wr_id & kReceiveBit) == 0) {
+      std::function<void(Status)> done;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = posted_.find(wc.wr_id);
+        if (it != posted_.end()) {
+          done = std::move(it->second.done);
+          posted_.erase(it);
+        }
+      }
+      if (done) done(CloseReason());
+    }
+    return;
+  }
+  if (wc.wr_id & kReceiveBit) {
+    uint32_t index = static_cast<uint32_t>(wc.wr_id & ~kReceiveBit);
+    Status handled;
+    if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
+      handled = handler_->OnWriteLanded(ntohl(wc.imm_data));
+    } else {
+      const char* bytes = reinterpret_cast<const char*>(
+          res_.receive_buffers.get() + size_t{index} * config_.receive_bytes);
+      auto frame = DecodeFrame(std::string_view(bytes, wc.byte_len));
+      if (!frame.ok()) {
+        handled = frame.status();
+      } else {
+        Status returned;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          ++counters_.frames_received;
+          returned = window_.OnPeerReturned(frame->credits);
+        }
+        handled = returned.ok() && frame->type != FrameType::kCredit
+                      ? handler_->OnFrame(*frame)
+                      : returned;
+      }
+    }
+    if (!handled.ok()) {
+      Close(absl::UnavailableError(
+          absl::StrCat("RDMA connection closed: the peer broke the protocol: ",
+                       handled.message())));
+      return;
+    }
+    Status s;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed_.load()) return;
+      s = PostReceive(index);
+      if (s.ok()) s = window_.OnReceiveReposted();
+      if (s.ok()) s = PumpLocked();
+    }
+    if (!s.ok()) Close(s);
+    return;
+  }
+  std::function<void(Status)> done;
+  Status s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = posted_.find(wc.wr_id);
+    if (it == posted_.end()) return;
+    if (it->second.send_buffer >= 0) {
+      free_send_buffers_.push_back(it->second.send_buffer);
+    }
+    done = std::move(it->second.done);
+    posted_.erase(it);
+    s = window_.OnSendCompleted(1);
+    if (s.ok() && !closed_.load()) s = PumpLocked();
+  }
+  if (done) done(absl::OkStatus());
+  if (!s.ok()) Close(s);
+}
+
+Status Connection::CloseReason() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return close_reason_.ok() ? absl::UnavailableError("RDMA connection closed")
+                            : close_reason_;
+}
+
+void Connection::Close(Status why) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_.exchange(true)) return;
+    close_reason_ = why.ok() ? absl::UnavailableError("RDMA connection closed")
+                             : std::move(why);
+    // Tells the peer; the engine tears the queue pair down.
+    if (res_.qp.get() != nullptr) rdma_disconnect(res_.id.get());
+  }
+  Engine::Get().Wake();
+}
+
+void Connection::FinishClose() {
+  if (finished_) return;
+  finished_ = true;
+  std::vector<std::function<void(Status)>> pending;
+  Status why = CloseReason();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Once the queue pair is gone the device no longer touches any memory
+    // the pending work referenced, so the continuations may release it.
+    res_.qp.Reset();
+    for (auto& [id, posted] : posted_) {
+      if (posted.done) pending.push_back(std::move(posted.done));
+    }
+    posted_.clear();
+    for (auto& w : writes_) {
+      if (w.done) pending.push_back(std::move(w.done));
+    }
+    writes_.clear();
+    frames_.clear();
+  }
+  ConsumeEvents();
+  for (auto& f : pending) f(why);
+  std::shared_ptr<Handler> handler = std::move(handler_);
+  handler->OnClosed(why);
+}
+
+}  // namespace rdmarpc::rdma

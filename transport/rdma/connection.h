@@ -1,0 +1,207 @@
+// One RDMA connection's datapath: a reliable-connected queue pair, its
+// control buffers, its credit window and the queue of work that waits for
+// credits.
+//
+// Frames (wire.h) go by SEND from registered send buffers into the peer's
+// pre-posted control receives; tensor bytes go by RDMA WRITE from the
+// caller's registered memory into regions the peer granted. Both queue here
+// and are posted only when CreditWindow says a peer receive and a send slot
+// are free, so no post ever fails for lack of either.
+//
+//   auto conn = Connection::Create(std::move(resources), config, handler);
+//   Engine::Get().Add(conn);             // completions start flowing
+//   conn->SendFrame(FrameType::kRequest, &head, inline_parts);
+//   conn->Write({.local = ..., .lkey = ..., .remote_addr = ...,
+//                .rkey = ..., .length = ..., .immediate = grant_id},
+//               [](Status s) { /* bytes left our memory, or failed */ });
+//
+// Threads: SendFrame, Write and Close may be called from any thread. The
+// Handler's methods and every Write continuation run on the engine thread,
+// never with the connection's lock held, so they may call back in.
+// Setup (connection_setup.cc) builds the verbs objects; this file only moves
+// bytes.
+#ifndef RDMARPC_TRANSPORT_RDMA_CONNECTION_H_
+#define RDMARPC_TRANSPORT_RDMA_CONNECTION_H_
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "google/protobuf/message_lite.h"
+#include "rdmarpc/status.h"
+#include "transport/rdma/flow_control.h"
+#include "transport/rdma/verbs.h"
+#include "transport/rdma/wire.h"
+
+namespace rdmarpc::rdma {
+
+// Sizes both sides agree on in the handshake.
+struct ConnectionConfig {
+  uint32_t receives = 64;             // control receives we post
+  uint32_t receive_bytes = 32 << 10;  // size of each
+  uint32_t send_queue_slots = 256;    // max_send_wr
+  uint32_t peer_receives = 64;        // what the peer posted for us
+  uint32_t peer_receive_bytes = 32 << 10;
+  // Writes larger than this are split (the device's max_msg_sz, or less).
+  uint64_t max_write_bytes = uint64_t{1} << 30;
+};
+
+// The verbs objects of one connection, in creation order (so destruction
+// runs in reverse). Built by connection_setup.cc.
+struct ConnectionResources {
+  // First, so they are freed after the queue pair and their registrations.
+  std::unique_ptr<uint8_t[]> receive_buffers;
+  std::unique_ptr<uint8_t[]> send_buffers;
+  EventChannel events;  // client side only: the id's own event channel
+  CmId id;
+  ProtectionDomain pd;
+  CompletionChannel completions;
+  CompletionQueue cq;
+  MemoryRegion receive_mr;
+  MemoryRegion send_mr;
+  CmQueuePair qp;
+};
+
+class Connection : public std::enable_shared_from_this<Connection> {
+ public:
+  class Handler {
+   public:
+    virtual ~Handler() = default;
+    // A frame the peer sent. `frame` points into a receive buffer that is
+    // re-posted when this returns: copy what must outlive the call. An
+    // error closes the connection (a peer that broke the protocol).
+    virtual Status OnFrame(const FrameView& frame) = 0;
+    // The peer's WRITE WITH IMMEDIATE carrying `immediate` has landed.
+    virtual Status OnWriteLanded(uint32_t immediate) = 0;
+    // Runs exactly once, after which nothing else is called.
+    virtual void OnClosed(const Status& why) = 0;
+  };
+
+  struct WriteRequest {
+    const void* local = nullptr;
+    uint32_t lkey = 0;
+    uint64_t remote_addr = 0;
+    uint32_t rkey = 0;
+    uint64_t length = 0;
+    // Set: the last piece is a WRITE WITH IMMEDIATE carrying this value.
+    std::optional<uint32_t> immediate;
+  };
+
+  // Posts the receives. `resources.qp` must exist; the connection is not
+  // live until Engine::Get().Add(it).
+  static StatusOr<std::shared_ptr<Connection>> Create(
+      ConnectionResources resources, const ConnectionConfig& config,
+      std::shared_ptr<Handler> handler);
+  ~Connection();
+
+  Connection(const Connection&) = delete;
+  Connection& operator=(const Connection&) = delete;
+
+  // Queues a frame. UNAVAILABLE once the connection is closed;
+  // RESOURCE_EXHAUSTED if it does not fit the peer's receive buffers.
+  [[nodiscard]] Status SendFrame(
+      FrameType type, const google::protobuf::MessageLite* head,
+      std::span<const std::span<const uint8_t>> inline_parts = {});
+
+  // Queues a write. `done` runs once on the engine thread when every piece
+  // completed (OK) or the connection failed (the error); the memory at
+  // `local` is borrowed until then. Returns an error (and never runs
+  // `done`) when the connection is already closed.
+  [[nodiscard]] Status Write(const WriteRequest& request,
+                             std::function<void(Status)> done);
+
+  // Closes the connection (any thread, any number of times): the peer is
+  // told, queued and posted work fails with `why`, Handler::OnClosed runs.
+  void Close(Status why);
+  bool closed() const { return closed_.load(); }
+
+  // Bytes a frame may take at most (the peer's receive size).
+  size_t max_frame_bytes() const { return config_.peer_receive_bytes; }
+  ibv_pd* pd() const { return res_.pd.get(); }
+  rdma_cm_id* cm_id() const { return res_.id.get(); }
+  rdma_event_channel* cm_events() const { return res_.events.get(); }
+  const ConnectionConfig& config() const { return config_; }
+
+  // Work the engine should keep polling for (posted work requests, calls
+  // waiting for the peer). Handlers count their calls here.
+  bool Busy() const;
+  std::atomic<int> calls_waiting{0};
+
+  // Counters for tests and stats.
+  struct Counters {
+    uint64_t frames_sent = 0;
+    uint64_t frames_received = 0;
+    uint64_t writes_posted = 0;
+    uint64_t credit_frames_sent = 0;
+    // Times a frame or write had to wait for a peer receive or a send slot.
+    uint64_t waits_for_credit = 0;
+  };
+  Counters counters() const;
+
+  // Engine use (engine thread only).
+  int completion_fd() const { return res_.completions->fd; }
+  // Polls the CQ and handles what it finds; true if it found anything.
+  bool Poll();
+  // Requests a completion event for the next completion.
+  void Arm();
+  // Reads and acknowledges pending completion events.
+  void ConsumeEvents();
+  // Tears the queue pair down after Close() and runs the continuations.
+  void FinishClose();
+
+ private:
+  Connection(ConnectionResources resources, const ConnectionConfig& config,
+             std::shared_ptr<Handler> handler);
+
+  struct PendingFrame {
+    std::vector<uint8_t> bytes;
+  };
+  struct PendingWrite {
+    WriteRequest request;
+    uint64_t offset = 0;  // of the next piece
+    std::function<void(Status)> done;
+  };
+  // What a posted send work request holds until its completion.
+  struct Posted {
+    int send_buffer = -1;  // frames: the send buffer to free
+    std::function<void(Status)> done;
+  };
+
+  Status PostReceive(uint32_t index);
+  // Posts what the window allows. Requires mu_; an error means the queue
+  // pair is broken and the caller closes the connection.
+  Status PumpLocked();
+  Status PostFrameLocked(const PendingFrame& frame, bool credit_only);
+  Status PostWritePieceLocked(PendingWrite& write, bool* finished);
+  Status CloseReason() const;
+  void HandleCompletion(const ibv_wc& wc);
+  void Fail(const std::string& what);
+
+  ConnectionResources res_;
+  const ConnectionConfig config_;
+  std::shared_ptr<Handler> handler_;
+  std::atomic<bool> closed_{false};
+  bool finished_ = false;  // engine thread only
+
+  mutable std::mutex mu_;
+  CreditWindow window_;
+  std::deque<PendingFrame> frames_;
+  std::deque<PendingWrite> writes_;
+  std::vector<int> free_send_buffers_;
+  std::unordered_map<uint64_t, Posted> posted_;
+  uint64_t next_wr_id_ = 1;
+  Status close_reason_;
+  Counters counters_;
+};
+
+}  // namespace rdmarpc::rdma
+
+#endif  // RDMARPC_TRANSPORT_RDMA_CONNECTION_H_

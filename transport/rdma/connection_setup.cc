@@ -1,0 +1,171 @@
+#include "transport/rdma/connection_setup.h"
+
+#include <arpa/inet.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "transport/rdma/engine.h"
+
+namespace rdmarpc::rdma {
+namespace {
+
+constexpr uint32_t kConnectMagic = 0x31435252;  // "RRC1"
+constexpr size_t kConnectDataBytes = 32;
+
+void PutU32(std::string* out, size_t at, uint32_t v) {
+  for (int i = 0; i < 4; ++i) (*out)[at + i] = static_cast<char>(v >> (8 * i));
+}
+
+uint32_t GetU32(std::string_view in, size_t at) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) {
+    v |= uint32_t{static_cast<uint8_t>(in[at + i])} << (8 * i);
+  }
+  return v;
+}
+
+}  // namespace
+
+std::string EncodeConnectData(const ConnectData& data) {
+  std::string out(kConnectDataBytes, '\0');
+  PutU32(&out, 0, kConnectMagic);
+  out[4] = static_cast<char>(kWireVersion);
+  std::memcpy(out.data() + 8, data.token.data(),
+              std::min(data.token.size(), kTokenBytes));
+  PutU32(&out, 24, data.receives);
+  PutU32(&out, 28, data.receive_bytes);
+  return out;
+}
+
+StatusOr<ConnectData> DecodeConnectData(std::string_view bytes) {
+  if (bytes.size() < kConnectDataBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("connect request carries ", bytes.size(),
+                     " bytes of private data, need ", kConnectDataBytes));
+  }
+  if (GetU32(bytes, 0) != kConnectMagic) {
+    return absl::InvalidArgumentError("connect request is not from rdmarpc");
+  }
+  if (static_cast<uint8_t>(bytes[4]) != kWireVersion) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "connect request speaks wire version ", static_cast<uint8_t>(bytes[4]),
+        ", this side ", kWireVersion));
+  }
+  ConnectData data;
+  data.token.assign(bytes.data() + 8, kTokenBytes);
+  data.receives = GetU32(bytes, 24);
+  data.receive_bytes = GetU32(bytes, 28);
+  return data;
+}
+
+StatusOr<ConnectionResources> BuildResources(EventChannel events, CmId id,
+                                             ConnectionConfig* config) {
+  ConnectionResources r;
+  r.events = std::move(events);
+  r.id = std::move(id);
+  ibv_context* device = r.id->verbs;
+  if (device == nullptr) {
+    return absl::FailedPreconditionError("CM id has no RDMA device yet");
+  }
+  ibv_port_attr port{};
+  if (ibv_query_port(device, r.id->port_num, &port) == 0 &&
+      port.max_msg_sz > 0) {
+    config->max_write_bytes =
+        std::min<uint64_t>(config->max_write_bytes, port.max_msg_sz);
+  }
+  if (const char* env = std::getenv("RDMARPC_RDMA_MAX_WRITE_BYTES");
+      env != nullptr && *env != '\0') {
+    uint64_t limit = std::strtoull(env, nullptr, 10);
+    if (limit > 0) {
+      config->max_write_bytes = std::min(config->max_write_bytes, limit);
+    }
+  }
+  RDMARPC_ASSIGN_OR_RETURN(r.pd, AllocatePd(device));
+  errno = 0;
+  r.completions.reset(ibv_create_comp_channel(device));
+  if (r.completions == nullptr) {
+    return VerbsError("ibv_create_comp_channel", errno != 0 ? errno : EIO);
+  }
+  int cq_entries =
+      static_cast<int>(config->send_queue_slots + config->receives);
+  RDMARPC_ASSIGN_OR_RETURN(r.cq,
+                           CreateCq(device, cq_entries, r.completions.get()));
+  size_t receive_total = size_t{config->receives} * config->receive_bytes;
+  size_t send_total =
+      size_t{config->peer_receives} * config->peer_receive_bytes;
+  r.receive_buffers = std::make_unique<uint8_t[]>(receive_total);
+  r.send_buffers = std::make_unique<uint8_t[]>(send_total);
+  RDMARPC_ASSIGN_OR_RETURN(
+      r.receive_mr, RegisterMemory(r.pd.get(), r.receive_buffers.get(),
+                                   receive_total, IBV_ACCESS_LOCAL_WRITE));
+  RDMARPC_ASSIGN_OR_RETURN(
+      r.send_mr,
+      RegisterMemory(r.pd.get(), r.send_buffers.get(), send_total, 0));
+  QpCaps caps;
+  caps.max_send_wr = config->send_queue_slots;
+  caps.max_recv_wr = config->receives;
+  RDMARPC_ASSIGN_OR_RETURN(
+      r.qp, CreateRcQp(r.id.get(), r.pd.get(), r.cq.get(), caps));
+  return r;
+}
+
+StatusOr<std::shared_ptr<Connection>> ConnectToServer(
+    const std::string& address, uint16_t port, const std::string& token,
+    ConnectionConfig config, std::shared_ptr<Connection::Handler> handler,
+    std::chrono::milliseconds timeout) {
+  RDMARPC_ASSIGN_OR_RETURN(EventChannel events, CreateEventChannel());
+  RDMARPC_ASSIGN_OR_RETURN(CmId id, CreateCmId(events.get()));
+  sockaddr_in dst{};
+  dst.sin_family = AF_INET;
+  dst.sin_port = htons(port);
+  if (inet_pton(AF_INET, address.c_str(), &dst.sin_addr) != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("server's RDMA address '", address, "' is not IPv4"));
+  }
+  int ms = static_cast<int>(timeout.count());
+  if (rdma_resolve_addr(id.get(), nullptr, reinterpret_cast<sockaddr*>(&dst),
+                        ms) != 0) {
+    return VerbsError(absl::StrCat("rdma_resolve_addr ", address), errno);
+  }
+  RDMARPC_RETURN_IF_ERROR(
+      WaitCmEvent(events.get(), RDMA_CM_EVENT_ADDR_RESOLVED, timeout).status());
+  if (rdma_resolve_route(id.get(), ms) != 0) {
+    return VerbsError(absl::StrCat("rdma_resolve_route ", address), errno);
+  }
+  RDMARPC_RETURN_IF_ERROR(
+      WaitCmEvent(events.get(), RDMA_CM_EVENT_ROUTE_RESOLVED, timeout)
+          .status());
+  rdma_event_channel* channel = events.get();
+  rdma_cm_id* raw_id = id.get();
+  RDMARPC_ASSIGN_OR_RETURN(
+      ConnectionResources resources,
+      BuildResources(std::move(events), std::move(id), &config));
+  RDMARPC_ASSIGN_OR_RETURN(
+      std::shared_ptr<Connection> conn,
+      Connection::Create(std::move(resources), config, std::move(handler)));
+  std::string data =
+      EncodeConnectData({token, config.receives, config.receive_bytes});
+  rdma_conn_param param{};
+  param.private_data = data.data();
+  param.private_data_len = static_cast<uint8_t>(data.size());
+  param.retry_count = 7;
+  // No receiver-not-ready retries: credits guarantee a posted receive, and
+  // an RNR would be a bug that must surface, not a stall.
+  param.rnr_retry_count = 0;
+  if (rdma_connect(raw_id, &param) != 0) {
+    return VerbsError(absl::StrCat("rdma_connect ", address, ":", port), errno);
+  }
+  auto established = WaitCmEvent(channel, RDMA_CM_EVENT_ESTABLISHED, timeout);
+  if (!established.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("RDMA connect to ", address, ":", port,
+                     " failed: ", established.status().message()));
+  }
+  RDMARPC_RETURN_IF_ERROR(Engine::Get().Add(conn));
+  return conn;
+}
+
+}  // namespace rdmarpc::rdma

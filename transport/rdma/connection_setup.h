@@ -1,0 +1,56 @@
+// Setting up RDMA connections: verbs objects, the connect request's private
+// data, and the client's connect. The datapath is in connection.h.
+//
+//   ConnectionConfig config = ...;  // peer sizes from the handshake
+//   RDMARPC_ASSIGN_OR_RETURN(
+//       std::shared_ptr<Connection> conn,
+//       ConnectToServer("198.18.0.1", 41000, token, config, handler,
+//                       std::chrono::seconds(5)));
+#ifndef RDMARPC_TRANSPORT_RDMA_CONNECTION_SETUP_H_
+#define RDMARPC_TRANSPORT_RDMA_CONNECTION_SETUP_H_
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "rdmarpc/status.h"
+#include "transport/rdma/connection.h"
+
+namespace rdmarpc::rdma {
+
+inline constexpr size_t kTokenBytes = 16;
+
+// What the client's CM connect request carries (private data, 32 bytes
+// little-endian: magic "RRC1", version, 3 reserved bytes, token, receives,
+// receive bytes).
+struct ConnectData {
+  std::string token;  // kTokenBytes
+  uint32_t receives = 0;
+  uint32_t receive_bytes = 0;
+};
+std::string EncodeConnectData(const ConnectData& data);
+// INVALID_ARGUMENT unless `bytes` starts with a well-formed record (the CM
+// may pad private data with zeros).
+[[nodiscard]] StatusOr<ConnectData> DecodeConnectData(std::string_view bytes);
+
+// Allocates the protection domain, completion channel and queue, the
+// control buffers (registered for local access only) and the RC queue pair
+// for `id`, which has a device (address resolved, or a connect request).
+// config.max_write_bytes is lowered to the port's max_msg_sz (and to
+// RDMARPC_RDMA_MAX_WRITE_BYTES when set).
+[[nodiscard]] StatusOr<ConnectionResources> BuildResources(
+    EventChannel events, CmId id, ConnectionConfig* config);
+
+// The client side: resolves `address`:`port`, builds the connection, sends
+// the connect request with `token` and waits for ESTABLISHED. The returned
+// connection is already added to the engine.
+[[nodiscard]] StatusOr<std::shared_ptr<Connection>> ConnectToServer(
+    const std::string& address, uint16_t port, const std::string& token,
+    ConnectionConfig config, std::shared_ptr<Connection::Handler> handler,
+    std::chrono::milliseconds timeout);
+
+}  // namespace rdmarpc::rdma
+
+#endif  // RDMARPC_TRANSPORT_RDMA_CONNECTION_SETUP_H_

@@ -1,0 +1,631 @@
+#include "transport/rdma/rdma_client.h"
+
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/completion.h"
+#include "transport/rdma/connection_setup.h"
+#include "transport/rdma/payload.h"
+#include "transport/rdma/registration.h"
+#include "transport/rdma/wire.h"
+
+namespace rdmarpc::rdma {
+namespace {
+
+using Clock = std::chrono::system_clock;
+
+// A call between Start and its completion.
+struct ClientRecord {
+  enum class Stage {
+    kAwaitGrant,         // request written once the server grants memory
+    kAwaitResponse,      // request delivered (or being written)
+    kAwaitResponseData,  // response memory granted, server writing
+  };
+  internal::ClientCall call;
+  OutgoingPayload out;
+  std::vector<LocalMemory> sources;  // one per out-of-band part
+  Stage stage = Stage::kAwaitGrant;
+  int writes_pending = 0;
+  // A result decided while the device still reads or writes this call's
+  // memory; delivered once it no longer does.
+  std::optional<Status> deferred;
+  IncomingPayload in;
+  uint32_t grant_id = 0;
+  uint64_t received_bytes = 0;
+  uint64_t response_copied = 0;
+  std::optional<Clock::time_point> deadline;
+};
+
+// What to do with a call once the endpoint's lock is released.
+struct Outcome {
+  std::unique_ptr<ClientRecord> record;
+  Status status;
+  bool reroute = false;  // send it over gRPC instead (nothing ran)
+};
+
+}  // namespace
+
+class ClientEndpoint final
+    : public Connection::Handler,
+      public std::enable_shared_from_this<ClientEndpoint> {
+ public:
+  ClientEndpoint(internal::ClientTransport* fallback, TransportPolicy policy,
+                 uint64_t inline_threshold, std::string description)
+      : fallback_(fallback),
+        policy_(policy),
+        inline_threshold_(inline_threshold),
+        description_(std::move(description)) {}
+
+  void Attach(std::shared_ptr<Connection> conn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    conn_ = std::move(conn);
+    cache_ = RegistrationCache::Create(conn_->pd());
+  }
+
+  Status health() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return closed_;
+  }
+
+  void Start(internal::ClientCall call);
+  void Cancel(uint64_t call_id, Status why);
+  // Cancels calls past their deadline; returns how long until the next.
+  std::chrono::milliseconds ExpireDeadlines();
+
+  Status OnFrame(const FrameView& frame) override;
+  Status OnWriteLanded(uint32_t immediate) override;
+  void OnClosed(const Status& why) override;
+
+ private:
+  Status OnGrant(const FrameView& frame, std::vector<Outcome>* outcomes);
+  Status OnResponse(const FrameView& frame, std::vector<Outcome>* outcomes);
+  // Removes the call and queues its completion (or defers it while writes
+  // are pending). Requires mu_.
+  void FinishLocked(uint64_t call_id, Status status,
+                    std::vector<Outcome>* outcomes, bool reroute = false);
+  void Complete(std::vector<Outcome> outcomes);
+  void Reroute(internal::ClientCall call, const std::string& why);
+  void SendCancelLocked(uint64_t call_id);
+
+  internal::ClientTransport* fallback_;
+  const TransportPolicy policy_;
+  const uint64_t inline_threshold_;
+  const std::string description_;
+  WireLimits limits_;
+
+  mutable std::mutex mu_;
+  std::shared_ptr<Connection> conn_;
+  std::shared_ptr<RegistrationCache> cache_;
+  Status closed_;
+  std::map<uint64_t, std::unique_ptr<ClientRecord>> calls_;
+  std::map<uint32_t, uint64_t> grants_;  // grant id -> call id
+  std::set<uint64_t> early_cancels_;
+  uint32_t next_grant_id_ = 1;
+};
+
+namespace {
+
+class RdmaCanceller final : public internal::CallCanceller {
+ public:
+  RdmaCanceller(std::weak_ptr<ClientEndpoint> endpoint, uint64_t call_id)
+      : endpoint_(std::move(endpoint)), call_id_(call_id) {}
+  void Cancel() override {
+    if (auto ep = endpoint_.lock()) {
+      ep->Cancel(call_id_,
+                 absl::CancelledError("call cancelled by the client"));
+    }
+  }
+
+ private:
+  std::weak_ptr<ClientEndpoint> endpoint_;
+  uint64_t call_id_;
+};
+
+}  // namespace
+
+void ClientEndpoint::Reroute(internal::ClientCall call,
+                             const std::string& why) {
+  CallStats* stats = call.ctx->mutable_stats();
+  if (policy_ == TransportPolicy::kRdma) {
+    stats->transport_reason = why;
+    auto done = std::move(call.done);
+    done(absl::UnavailableError(absl::StrCat(
+        "call ", call.method, " not sent: policy 'rdma' and ", why)));
+    return;
+  }
+  stats->transport = TransportKind::kGrpc;
+  stats->transport_reason = absl::StrCat(why, "; gRPC carries the call");
+  fallback_->Start(std::move(call));
+}
+
+void ClientEndpoint::Start(internal::ClientCall call) {
+  ClientContext* ctx = call.ctx;
+  RequestHead head;
+  head.set_call_id(call.call_id);
+  head.set_method(call.method);
+  if (ctx->deadline()) {
+    auto left = std::chrono::duration_cast<std::chrono::microseconds>(
+        *ctx->deadline() - Clock::now());
+    head.set_timeout_us(std::max<int64_t>(1, left.count()));
+  }
+  for (const auto& [k, v] : ctx->metadata()) {
+    Metadata* m = head.add_metadata();
+    m->set_key(k);
+    m->set_value(v);
+  }
+  std::shared_ptr<Connection> conn;
+  std::shared_ptr<RegistrationCache> cache;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!closed_.ok()) {
+      std::string why =
+          absl::StrCat("RDMA connection lost (", closed_.message(), ")");
+      return Reroute(std::move(call), why);
+    }
+    conn = conn_;
+    cache = cache_;
+  }
+  size_t base = kPreambleBytes + head.ByteSizeLong();
+  size_t room =
+      conn->max_frame_bytes() > base ? conn->max_frame_bytes() - base : 0;
+  auto payload =
+      PlanPayload(*call.request, ctx->tensors(), room, inline_threshold_);
+  if (!payload.ok()) {
+    if (payload.status().code() == StatusCode::kUnimplemented) {
+      return Reroute(std::move(call), std::string(payload.status().message()));
+    }
+    auto done = std::move(call.done);
+    return done(payload.status());
+  }
+  auto record = std::make_unique<ClientRecord>();
+  for (const auto& src : payload->out_of_band) {
+    auto mem = cache->ForSend(src.data, src.size);
+    if (!mem.ok()) {
+      return Reroute(std::move(call),
+                     absl::StrCat("RDMA ", mem.status().message()));
+    }
+    record->sources.push_back(*std::move(mem));
+  }
+  for (Part& p : payload->parts) *head.add_parts() = std::move(p);
+  payload->parts.clear();
+  record->out = *std::move(payload);
+  record->stage = record->sources.empty() ? ClientRecord::Stage::kAwaitResponse
+                                          : ClientRecord::Stage::kAwaitGrant;
+  record->deadline = ctx->deadline();
+  CallStats* stats = ctx->mutable_stats();
+  stats->transport = TransportKind::kRdma;
+  stats->tensor_bytes_sent = record->out.tensor_bytes;
+  uint64_t call_id = call.call_id;
+  std::vector<std::span<const uint8_t>> inline_parts = record->out.inline_parts;
+  record->call = std::move(call);
+  if (!ctx->AttachCanceller(
+          std::make_shared<RdmaCanceller>(shared_from_this(), call_id))) {
+    auto done = std::move(record->call.done);
+    return done(absl::CancelledError("call cancelled before start"));
+  }
+  std::vector<Outcome> outcomes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    bool cancelled = early_cancels_.erase(call_id) > 0;
+    calls_.emplace(call_id, std::move(record));
+    conn->calls_waiting.fetch_add(1);
+    if (cancelled) {
+      FinishLocked(call_id, absl::CancelledError("call cancelled"), &outcomes);
+    } else {
+      Status sent = conn->SendFrame(FrameType::kRequest, &head, inline_parts);
+      if (!sent.ok()) {
+        // Nothing reached the server: gRPC may carry it.
+        FinishLocked(call_id, sent, &outcomes, /*reroute=*/true);
+      }
+    }
+  }
+  Complete(std::move(outcomes));
+}
+
+void ClientEndpoint::SendCancelLocked(uint64_t call_id) {
+  rdma::Cancel cancel;
+  cancel.set_call_id(call_id);
+  (void)conn_->SendFrame(FrameType::kCancel, &cancel);
+}
+
+void ClientEndpoint::Cancel(uint64_t call_id, Status why) {
+  std::vector<Outcome> outcomes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = calls_.find(call_id);
+    if (!closed_.ok()) return;
+    if (it == calls_.end()) {
+      // Cancelled between AttachCanceller and the send (or just finished).
+      early_cancels_.insert(call_id);
+      return;
+    }
+    ClientRecord& r = *it->second;
+    if (r.stage == ClientRecord::Stage::kAwaitResponseData) {
+      // The server is writing into this call's memory: finish when done.
+      if (!r.deferred) r.deferred = std::move(why);
+      return;
+    }
+    SendCancelLocked(call_id);
+    FinishLocked(call_id, std::move(why), &outcomes);
+  }
+  Complete(std::move(outcomes));
+}
+
+std::chrono::milliseconds ClientEndpoint::ExpireDeadlines() {
+  auto now = Clock::now();
+  auto next = now + std::chrono::milliseconds(50);
+  std::vector<uint64_t> expired;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, r] : calls_) {
+      if (!r->deadline || r->deferred) continue;
+      if (*r->deadline <= now) {
+        expired.push_back(id);
+      } else {
+        next = std::min(next, *r->deadline);
+      }
+    }
+  }
+  for (uint64_t id : expired) {
+    Cancel(id, absl::DeadlineExceededError("deadline exceeded"));
+  }
+  return std::max(std::chrono::milliseconds(1),
+                  std::chrono::duration_cast<std::chrono::milliseconds>(
+                      next - Clock::now()));
+}
+
+void ClientEndpoint::FinishLocked(uint64_t call_id, Status status,
+                                  std::vector<Outcome>* outcomes,
+                                  bool reroute) {
+  auto it = calls_.find(call_id);
+  if (it == calls_.end()) return;
+  ClientRecord& r = *it->second;
+  if (r.writes_pending > 0) {
+    if (!r.deferred) r.deferred = std::move(status);
+    return;
+  }
+  if (r.grant_id != 0) grants_.erase(r.grant_id);
+  if (conn_) conn_->calls_waiting.fetch_sub(1);
+  outcomes->push_back({std::move(it->second), std::move(status), reroute});
+  calls_.erase(it);
+}
+
+void ClientEndpoint::Complete(std::vector<Outcome> outcomes) {
+  if (outcomes.empty()) return;
+  // Registrations in the records belong to the connection's protection
+  // domain, which must outlive them.
+  std::shared_ptr<Connection> keep;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    keep = conn_;
+  }
+  for (Outcome& o : outcomes) {
+    ClientRecord& r = *o.record;
+    ClientContext* ctx = r.call.ctx;
+    ctx->DetachCanceller();
+    if (o.reroute) {
+      Reroute(std::move(r.call), absl::StrCat("RDMA could not send it (",
+                                              o.status.message(), ")"));
+      continue;
+    }
+    CallStats* stats = ctx->mutable_stats();
+    stats->tensor_bytes_received = r.received_bytes;
+    stats->cpu_copied_bytes += r.out.cpu_copied_bytes + r.response_copied;
+    internal::RunOnCallbackThread(
+        [done = std::move(r.call.done), status = std::move(o.status)] {
+          done(status);
+        });
+  }
+  outcomes.clear();
+}
+
+Status ClientEndpoint::OnFrame(const FrameView& frame) {
+  std::vector<Outcome> outcomes;
+  Status s;
+  switch (frame.type) {
+    case FrameType::kGrant:
+      s = OnGrant(frame, &outcomes);
+      break;
+    case FrameType::kResponse:
+      s = OnResponse(frame, &outcomes);
+      break;
+    default:
+      s = absl::InvalidArgumentError(absl::StrCat(
+          "a server sent frame type ", static_cast<int>(frame.type)));
+  }
+  Complete(std::move(outcomes));
+  return s;
+}
+
+Status ClientEndpoint::OnGrant(const FrameView& frame,
+                               std::vector<Outcome>* outcomes) {
+  Grant probe;
+  if (!probe.ParseFromArray(frame.head.data(),
+                            static_cast<int>(frame.head.size()))) {
+    return absl::InvalidArgumentError("grant head does not parse");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = calls_.find(probe.call_id());
+  if (it == calls_.end()) return absl::OkStatus();  // cancelled meanwhile
+  ClientRecord& r = *it->second;
+  if (r.stage != ClientRecord::Stage::kAwaitGrant) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "grant for call ", probe.call_id(), ", which expects none"));
+  }
+  RDMARPC_ASSIGN_OR_RETURN(Grant grant, ParseGrant(frame, r.sources.size()));
+  for (int k = 0; k < grant.regions_size(); ++k) {
+    if (grant.regions(k).length() != r.out.out_of_band[k].size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("grant region ", k, " holds ", grant.regions(k).length(),
+                       " bytes for a part of ", r.out.out_of_band[k].size));
+    }
+  }
+  r.stage = ClientRecord::Stage::kAwaitResponse;
+  uint64_t call_id = probe.call_id();
+  for (int k = 0; k < grant.regions_size(); ++k) {
+    Connection::WriteRequest w;
+    w.local = r.out.out_of_band[k].data;
+    w.lkey = r.sources[k].lkey;
+    w.remote_addr = grant.regions(k).addr();
+    w.rkey = grant.regions(k).rkey();
+    w.length = grant.regions(k).length();
+    if (k + 1 == grant.regions_size()) w.immediate = grant.grant_id();
+    Status posted = conn_->Write(
+        w, [weak = std::weak_ptr<ClientEndpoint>(shared_from_this()),
+            call_id](Status s) {
+          auto ep = weak.lock();
+          if (!ep) return;
+          std::vector<Outcome> done;
+          {
+            std::lock_guard<std::mutex> lock(ep->mu_);
+            auto it = ep->calls_.find(call_id);
+            if (it == ep->calls_.end()) return;
+            ClientRecord& rec = *it->second;
+            --rec.writes_pending;
+            if (!s.ok() && !rec.deferred) rec.deferred = s;
+            if (rec.writes_pending == 0 && rec.deferred) {
+              ep->FinishLocked(call_id, *rec.deferred, &done);
+            }
+          }
+          ep->Complete(std::move(done));
+        });
+    if (!posted.ok()) break;  // closed: OnClosed fails the call
+    ++r.writes_pending;
+  }
+  return absl::OkStatus();
+}
+
+Status ClientEndpoint::OnResponse(const FrameView& frame,
+                                  std::vector<Outcome>* outcomes) {
+  RDMARPC_ASSIGN_OR_RETURN(ResponseHead head, ParseResponse(frame, limits_));
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = calls_.find(head.call_id());
+  if (it == calls_.end()) {
+    // Cancelled meanwhile: a server waiting for a grant must hear it.
+    for (const Part& p : head.parts()) {
+      if (p.out_of_band()) {
+        SendCancelLocked(head.call_id());
+        break;
+      }
+    }
+    return absl::OkStatus();
+  }
+  ClientRecord& r = *it->second;
+  if (r.stage == ClientRecord::Stage::kAwaitResponseData) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("second response for call ", head.call_id()));
+  }
+  if (head.code() != 0) {
+    bool not_sent =
+        r.stage == ClientRecord::Stage::kAwaitGrant && head.not_executed();
+    FinishLocked(head.call_id(),
+                 Status(static_cast<StatusCode>(head.code()), head.message()),
+                 outcomes, not_sent);
+    return absl::OkStatus();
+  }
+  if (r.stage == ClientRecord::Stage::kAwaitGrant) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "response for call ", head.call_id(), " before its request arrived"));
+  }
+  ClientContext* ctx = r.call.ctx;
+  auto in = ReceivePayload(head.parts(), frame.inline_bytes,
+                           r.call.max_response_tensor_bytes,
+                           ctx->response_tensor_buffers());
+  if (in.ok()) {
+    Status registered = RegisterLandingMemory(&*in, conn_->pd());
+    if (!registered.ok()) in = registered;
+  }
+  if (!in.ok()) {
+    for (const Part& p : head.parts()) {
+      if (p.out_of_band()) {
+        SendCancelLocked(head.call_id());
+        break;
+      }
+    }
+    FinishLocked(head.call_id(), in.status(), outcomes);
+    return absl::OkStatus();
+  }
+  r.in = *std::move(in);
+  if (r.in.landing.empty()) {
+    auto result = FinishPayload(
+        &r.in, r.call.response, ctx->response_placement(),
+        r.call.max_response_tensor_bytes, nullptr, &ctx->tensors());
+    if (result.ok()) {
+      r.received_bytes = result->total_bytes;
+      r.response_copied = result->cpu_copied_bytes;
+    }
+    FinishLocked(head.call_id(), result.status(), outcomes);
+    return absl::OkStatus();
+  }
+  Grant grant;
+  grant.set_call_id(head.call_id());
+  r.grant_id = next_grant_id_++;
+  if (next_grant_id_ == 0) next_grant_id_ = 1;
+  grant.set_grant_id(r.grant_id);
+  AddGrantRegions(r.in, &grant);
+  grants_[r.grant_id] = head.call_id();
+  r.stage = ClientRecord::Stage::kAwaitResponseData;
+  Status sent = conn_->SendFrame(FrameType::kGrant, &grant);
+  if (!sent.ok()) {
+    r.stage = ClientRecord::Stage::kAwaitResponse;
+    FinishLocked(head.call_id(), sent, outcomes);
+  }
+  return absl::OkStatus();
+}
+
+Status ClientEndpoint::OnWriteLanded(uint32_t immediate) {
+  std::vector<Outcome> outcomes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto g = grants_.find(immediate);
+    if (g == grants_.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("write landed for unknown grant ", immediate));
+    }
+    uint64_t call_id = g->second;
+    ClientRecord& r = *calls_.at(call_id);
+    ClientContext* ctx = r.call.ctx;
+    auto result = FinishPayload(
+        &r.in, r.call.response, ctx->response_placement(),
+        r.call.max_response_tensor_bytes, nullptr, &ctx->tensors());
+    if (result.ok()) {
+      r.received_bytes = result->total_bytes;
+      r.response_copied = result->cpu_copied_bytes;
+    }
+    Status status = r.deferred ? *r.deferred : result.status();
+    r.deferred.reset();
+    FinishLocked(call_id, status, &outcomes);
+  }
+  Complete(std::move(outcomes));
+  return absl::OkStatus();
+}
+
+void ClientEndpoint::OnClosed(const Status& why) {
+  std::vector<Outcome> outcomes;
+  std::shared_ptr<Connection> conn;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = why;
+    for (auto& [id, r] : calls_) r->writes_pending = 0;
+    while (!calls_.empty()) {
+      FinishLocked(calls_.begin()->first, why, &outcomes);
+    }
+  }
+  Complete(std::move(outcomes));
+  std::lock_guard<std::mutex> lock(mu_);
+  if (cache_) cache_->Clear();
+  conn = std::move(conn_);
+  // `conn` (and its protection domain) goes after the registrations.
+}
+
+StatusOr<std::unique_ptr<RdmaClientTransport>> RdmaClientTransport::Connect(
+    grpc_transport::GrpcClientTransport* grpc, const ChannelOptions& options) {
+  auto local = FindRdmaIpv4Address();
+  if (!local.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "this host has no usable RDMA device: ", local.status().message()));
+  }
+  HelloRequest hello;
+  hello.set_version(kWireVersion);
+  auto answer = grpc->UnaryBytes(kHelloMethod, hello.SerializeAsString(),
+                                 options.rdma_connect_timeout);
+  if (!answer.ok()) {
+    if (answer.status().code() == StatusCode::kUnimplemented) {
+      return absl::FailedPreconditionError(
+          "the server does not offer RDMA (it has no handshake method)");
+    }
+    return absl::UnavailableError(
+        absl::StrCat("RDMA handshake failed: ", answer.status().message()));
+  }
+  HelloResponse server;
+  if (!server.ParseFromString(*answer)) {
+    return absl::UnavailableError("RDMA handshake answer does not parse");
+  }
+  if (!server.unavailable_reason().empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the server has no RDMA: ", server.unavailable_reason()));
+  }
+  if (server.version() != kWireVersion) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the server speaks RDMA wire version ", server.version(),
+                     ", this client ", kWireVersion));
+  }
+  if (server.cm_port() == 0 || server.cm_port() > 65535 ||
+      server.token().size() != kTokenBytes) {
+    return absl::UnavailableError("RDMA handshake answer is malformed");
+  }
+  ConnectionConfig config;
+  config.peer_receives = server.receives();
+  config.peer_receive_bytes = server.receive_bytes();
+  if (config.peer_receive_bytes < 1024 ||
+      config.peer_receive_bytes > (1 << 24) || config.peer_receives < 4 ||
+      config.peer_receives > 4096) {
+    return absl::UnavailableError(absl::StrCat(
+        "the server offers ", config.peer_receives, " receives of ",
+        config.peer_receive_bytes, " bytes, outside what this client uses"));
+  }
+  uint64_t threshold = server.inline_threshold();
+  if (options.rdma_inline_threshold != 0) {
+    threshold = std::min(threshold, options.rdma_inline_threshold);
+  }
+  std::unique_ptr<RdmaClientTransport> t(new RdmaClientTransport());
+  t->description_ = absl::StrCat("RDMA connection to ", server.cm_address(),
+                                 ":", server.cm_port());
+  t->endpoint_ = std::make_shared<ClientEndpoint>(grpc, options.policy,
+                                                  threshold, t->description_);
+  auto conn = ConnectToServer(
+      server.cm_address(), static_cast<uint16_t>(server.cm_port()),
+      server.token(), config, t->endpoint_, options.rdma_connect_timeout);
+  if (!conn.ok()) return conn.status();
+  t->conn_ = *std::move(conn);
+  if (ibv_context* device = t->conn_->cm_id()->verbs) {
+    absl::StrAppend(&t->description_, " (", ibv_get_device_name(device->device),
+                    ")");
+  }
+  t->endpoint_->Attach(t->conn_);
+  t->monitor_ = std::thread([raw = t.get()] { raw->Monitor(); });
+  return t;
+}
+
+RdmaClientTransport::~RdmaClientTransport() {
+  stop_.store(true);
+  if (monitor_.joinable()) monitor_.join();
+  if (conn_) conn_->Close(absl::UnavailableError("channel destroyed"));
+}
+
+void RdmaClientTransport::Monitor() {
+  while (!stop_.load()) {
+    std::chrono::milliseconds wait = endpoint_->ExpireDeadlines();
+    auto event = NextCmEvent(conn_->cm_events(), wait);
+    if (!event.ok()) continue;  // timeout: check deadlines again
+    switch (event->type) {
+      case RDMA_CM_EVENT_DISCONNECTED:
+        conn_->Close(
+            absl::UnavailableError("the server closed the RDMA connection"));
+        break;
+      case RDMA_CM_EVENT_DEVICE_REMOVAL:
+        conn_->Close(absl::UnavailableError("the RDMA device was removed"));
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+void RdmaClientTransport::Start(internal::ClientCall call) {
+  call.ctx->mutable_stats()->transport_reason = description_;
+  endpoint_->Start(std::move(call));
+}
+
+Status RdmaClientTransport::health() const { return endpoint_->health(); }
+
+Connection::Counters RdmaClientTransport::counters() const {
+  return conn_->counters();
+}
+
+}  // namespace rdmarpc::rdma

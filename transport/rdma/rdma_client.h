@@ -1,0 +1,72 @@
+// The RDMA client transport: carries a channel's calls over one RDMA
+// connection to the server.
+//
+// Connect() says hello on the server's gRPC port (/rdmarpc.internal.Rdma/
+// Hello): the server answers with its RDMA endpoint, a one-time token and
+// its buffer sizes, or with why it has no RDMA. The client then connects
+// through librdmacm, presenting the token. A call's request goes as a frame
+// (wire.h) with small tensors inline; larger ones wait for the server's
+// grant and go by RDMA WRITE, the last with the grant id as immediate. The
+// response comes back the same way, into memory this side grants: the
+// context's response placement or a buffer from SetResponseTensorBuffer.
+//
+//   auto rdma = RdmaClientTransport::Connect(grpc.get(), options);
+//   if (!rdma.ok()) use gRPC, reporting rdma.status().message();
+//   (*rdma)->Start(std::move(call));
+//
+// Memory: request and response buffers are borrowed until the call's `done`
+// runs, which is never before the device has stopped reading or writing
+// them (a cancelled call whose response is being written waits for it).
+#ifndef RDMARPC_TRANSPORT_RDMA_RDMA_CLIENT_H_
+#define RDMARPC_TRANSPORT_RDMA_RDMA_CLIENT_H_
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "rdmarpc/channel.h"
+#include "runtime/transport.h"
+#include "transport/grpc/grpc_client.h"
+#include "transport/rdma/connection.h"
+
+namespace rdmarpc::rdma {
+
+class ClientEndpoint;
+
+inline constexpr char kHelloMethod[] = "/rdmarpc.internal.Rdma/Hello";
+
+class RdmaClientTransport final : public internal::ClientTransport {
+ public:
+  // Handshake and connect. `grpc` says hello and carries the calls this
+  // transport cannot (device memory, a failed registration); it must
+  // outlive the transport. The error says why RDMA cannot be used:
+  // FAILED_PRECONDITION when the server or this host has no RDMA,
+  // UNAVAILABLE when connecting failed.
+  static StatusOr<std::unique_ptr<RdmaClientTransport>> Connect(
+      grpc_transport::GrpcClientTransport* grpc, const ChannelOptions& options);
+  ~RdmaClientTransport() override;
+
+  TransportKind kind() const override { return TransportKind::kRdma; }
+  void Start(internal::ClientCall call) override;
+
+  // OK while the connection is up; else why it went down.
+  Status health() const;
+  // "rxe0 198.18.0.1:41234", for CallStats::transport_reason.
+  const std::string& description() const { return description_; }
+  Connection::Counters counters() const;
+
+ private:
+  RdmaClientTransport() = default;
+  void Monitor();
+
+  std::string description_;
+  std::shared_ptr<ClientEndpoint> endpoint_;
+  std::shared_ptr<Connection> conn_;
+  std::atomic<bool> stop_{false};
+  std::thread monitor_;
+};
+
+}  // namespace rdmarpc::rdma
+
+#endif  // RDMARPC_TRANSPORT_RDMA_RDMA_CLIENT_H_

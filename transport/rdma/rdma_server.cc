@@ -1,0 +1,630 @@
+#include "transport/rdma/rdma_server.h"
+
+#include <arpa/inet.h>
+
+#include <cstring>
+#include <random>
+#include <set>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "transport/rdma/connection_setup.h"
+#include "transport/rdma/engine.h"
+#include "transport/rdma/payload.h"
+#include "transport/rdma/registration.h"
+#include "transport/rdma/wire.h"
+
+namespace rdmarpc::rdma {
+
+// State the endpoints and the running handlers share with the transport,
+// which may be gone by the time a handler returns.
+struct ServerShared {
+  std::mutex mu;
+  std::condition_variable cv;
+  int handlers_running = 0;
+  int endpoints_open = 0;
+  std::atomic<uint64_t> accepted{0};
+  std::atomic<uint64_t> refused{0};
+  std::atomic<uint64_t> protocol_errors{0};
+};
+
+namespace {
+
+using google::protobuf::Message;
+
+struct ServerRecord {
+  enum class Stage {
+    kAwaitRequestData,  // landing memory granted, client writing
+    kRunning,           // handler queued or running
+    kAwaitResponseGrant,
+    kWritingResponse,
+  };
+  Stage stage = Stage::kAwaitRequestData;
+  std::shared_ptr<internal::ServerCallState> state;
+  std::shared_ptr<Message> request;
+  IncomingPayload in;
+  uint32_t grant_id = 0;
+  std::unique_ptr<Message> response;
+  OutgoingPayload out;
+  std::vector<LocalMemory> sources;
+  int writes_pending = 0;
+};
+
+}  // namespace
+
+class ServerEndpoint final
+    : public Connection::Handler,
+      public std::enable_shared_from_this<ServerEndpoint> {
+ public:
+  ServerEndpoint(internal::Dispatcher* dispatcher,
+                 std::shared_ptr<ServerShared> shared, uint64_t threshold,
+                 std::string peer)
+      : dispatcher_(dispatcher),
+        shared_(std::move(shared)),
+        inline_threshold_(threshold),
+        peer_(std::move(peer)) {}
+
+  void Attach(std::shared_ptr<Connection> conn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    conn_ = std::move(conn);
+    cache_ = RegistrationCache::Create(conn_->pd());
+  }
+
+  std::shared_ptr<Connection> connection() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return conn_;
+  }
+
+  // Marks every call cancelled (shutdown past its deadline).
+  void CancelAll() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, r] : calls_) r->state->cancelled.store(true);
+  }
+
+  Status OnFrame(const FrameView& frame) override;
+  Status OnWriteLanded(uint32_t immediate) override;
+  void OnClosed(const Status& why) override;
+
+  void Respond(uint64_t call_id, Status status,
+               std::unique_ptr<Message> response);
+
+ private:
+  Status OnRequest(const FrameView& frame);
+  Status OnGrant(const FrameView& frame);
+  void OnCancel(uint64_t call_id);
+  // Parses the landed request and hands it to a worker. Requires mu_.
+  void DispatchLocked(uint64_t call_id);
+  // Sends an error response and forgets the call. Requires mu_.
+  void FailLocked(uint64_t call_id, const Status& status,
+                  bool not_executed = false);
+  void ForgetLocked(uint64_t call_id);
+
+  internal::Dispatcher* dispatcher_;
+  std::shared_ptr<ServerShared> shared_;
+  const uint64_t inline_threshold_;
+  const std::string peer_;
+  WireLimits limits_;
+
+  std::mutex mu_;
+  std::shared_ptr<Connection> conn_;
+  std::shared_ptr<RegistrationCache> cache_;
+  bool closed_ = false;
+  std::map<uint64_t, std::unique_ptr<ServerRecord>> calls_;
+  std::map<uint32_t, uint64_t> grants_;
+  uint32_t next_grant_id_ = 1;
+};
+
+Status ServerEndpoint::OnFrame(const FrameView& frame) {
+  switch (frame.type) {
+    case FrameType::kRequest:
+      return OnRequest(frame);
+    case FrameType::kGrant:
+      return OnGrant(frame);
+    case FrameType::kCancel: {
+      RDMARPC_ASSIGN_OR_RETURN(rdma::Cancel cancel, ParseCancel(frame));
+      OnCancel(cancel.call_id());
+      return absl::OkStatus();
+    }
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a client sent frame type ", static_cast<int>(frame.type)));
+  }
+}
+
+void ServerEndpoint::ForgetLocked(uint64_t call_id) {
+  auto it = calls_.find(call_id);
+  if (it == calls_.end()) return;
+  if (it->second->grant_id != 0) grants_.erase(it->second->grant_id);
+  calls_.erase(it);
+}
+
+void ServerEndpoint::FailLocked(uint64_t call_id, const Status& status,
+                                bool not_executed) {
+  ResponseHead head;
+  head.set_call_id(call_id);
+  head.set_code(static_cast<int>(status.code()));
+  std::string message(status.message());
+  if (message.size() > limits_.max_status_message_bytes) {
+    message.resize(limits_.max_status_message_bytes);
+  }
+  head.set_message(message);
+  head.set_not_executed(not_executed);
+  (void)conn_->SendFrame(FrameType::kResponse, &head);
+  ForgetLocked(call_id);
+}
+
+Status ServerEndpoint::OnRequest(const FrameView& frame) {
+  RDMARPC_ASSIGN_OR_RETURN(RequestHead head, ParseRequest(frame, limits_));
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) return absl::OkStatus();
+  uint64_t call_id = head.call_id();
+  if (calls_.contains(call_id)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("call id ", call_id, " is already in flight"));
+  }
+  auto record = std::make_unique<ServerRecord>();
+  ServerRecord& r = *record;
+  calls_.emplace(call_id, std::move(record));
+  const internal::ServerMethod* method = dispatcher_->Find(head.method());
+  if (method == nullptr) {
+    FailLocked(call_id,
+               absl::UnimplementedError(absl::StrCat(
+                   "method ", head.method(), " is not served by this server")));
+    return absl::OkStatus();
+  }
+  r.state =
+      std::make_shared<internal::ServerCallState>(method, TransportKind::kRdma);
+  r.state->peer = peer_;
+  r.state->call_id = call_id;
+  if (head.timeout_us() > 0) {
+    r.state->deadline = std::chrono::system_clock::now() +
+                        std::chrono::microseconds(head.timeout_us());
+  }
+  for (const Metadata& m : head.metadata()) {
+    r.state->client_metadata.emplace(m.key(), m.value());
+  }
+  auto in = ReceivePayload(head.parts(), frame.inline_bytes,
+                           dispatcher_->max_request_tensor_bytes(), {});
+  if (!in.ok()) {
+    FailLocked(call_id, in.status());
+    return absl::OkStatus();
+  }
+  r.in = *std::move(in);
+  Status registered = RegisterLandingMemory(&r.in, conn_->pd());
+  if (!registered.ok()) {
+    // Nothing ran: the client may carry the call over gRPC instead.
+    FailLocked(call_id, registered, /*not_executed=*/true);
+    return absl::OkStatus();
+  }
+  if (r.in.landing.empty()) {
+    DispatchLocked(call_id);
+    return absl::OkStatus();
+  }
+  Grant grant;
+  grant.set_call_id(call_id);
+  r.grant_id = next_grant_id_++;
+  if (next_grant_id_ == 0) next_grant_id_ = 1;
+  grant.set_grant_id(r.grant_id);
+  AddGrantRegions(r.in, &grant);
+  grants_[r.grant_id] = call_id;
+  r.stage = ServerRecord::Stage::kAwaitRequestData;
+  (void)conn_->SendFrame(FrameType::kGrant, &grant);
+  return absl::OkStatus();
+}
+
+Status ServerEndpoint::OnWriteLanded(uint32_t immediate) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto g = grants_.find(immediate);
+  if (g == grants_.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("write landed for unknown grant ", immediate));
+  }
+  uint64_t call_id = g->second;
+  grants_.erase(g);
+  ServerRecord& r = *calls_.at(call_id);
+  r.grant_id = 0;
+  if (r.stage != ServerRecord::Stage::kAwaitRequestData) {
+    return absl::InvalidArgumentError("write landed for a running call");
+  }
+  DispatchLocked(call_id);
+  return absl::OkStatus();
+}
+
+void ServerEndpoint::DispatchLocked(uint64_t call_id) {
+  ServerRecord& r = *calls_.at(call_id);
+  r.request.reset(r.state->method().descriptor.request_prototype->New());
+  auto accepted = FinishPayload(
+      &r.in, r.request.get(), r.state->method().placement,
+      dispatcher_->max_request_tensor_bytes(), r.request, &r.state->tensors);
+  if (!accepted.ok()) return FailLocked(call_id, accepted.status());
+  r.stage = ServerRecord::Stage::kRunning;
+  {
+    std::lock_guard<std::mutex> shared_lock(shared_->mu);
+    ++shared_->handlers_running;
+  }
+  std::shared_ptr<internal::ServerCallState> state = r.state;
+  std::shared_ptr<Message> request = r.request;
+  dispatcher_->Execute(
+      std::move(state), std::move(request),
+      [self = shared_from_this(), call_id](Status s,
+                                           std::unique_ptr<Message> response) {
+        self->Respond(call_id, std::move(s), std::move(response));
+        std::lock_guard<std::mutex> shared_lock(self->shared_->mu);
+        --self->shared_->handlers_running;
+        self->shared_->cv.notify_all();
+      });
+}
+
+void ServerEndpoint::Respond(uint64_t call_id, Status status,
+                             std::unique_ptr<Message> response) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = calls_.find(call_id);
+  if (closed_ || it == calls_.end()) return;  // cancelled or disconnected
+  ServerRecord& r = *it->second;
+  if (r.state->deadline &&
+      std::chrono::system_clock::now() > *r.state->deadline) {
+    return FailLocked(call_id,
+                      absl::DeadlineExceededError(
+                          "deadline passed before the handler finished"));
+  }
+  if (!status.ok()) return FailLocked(call_id, status);
+  if (r.state->cancelled.load()) {
+    return FailLocked(call_id, absl::CancelledError("call cancelled"));
+  }
+  ResponseHead head;
+  head.set_call_id(call_id);
+  size_t base = kPreambleBytes + head.ByteSizeLong();
+  size_t room =
+      conn_->max_frame_bytes() > base ? conn_->max_frame_bytes() - base : 0;
+  auto out = PlanPayload(*response, r.state->tensors, room, inline_threshold_);
+  if (!out.ok()) {
+    return FailLocked(
+        call_id, absl::InternalError(
+                     absl::StrCat("handler built a response RDMA cannot send: ",
+                                  out.status().message())));
+  }
+  for (const auto& src : out->out_of_band) {
+    auto mem = cache_->ForSend(src.data, src.size);
+    if (!mem.ok()) return FailLocked(call_id, mem.status());
+    r.sources.push_back(*std::move(mem));
+  }
+  for (Part& p : out->parts) *head.add_parts() = std::move(p);
+  out->parts.clear();
+  r.response = std::move(response);
+  r.out = *std::move(out);
+  Status sent =
+      conn_->SendFrame(FrameType::kResponse, &head, r.out.inline_parts);
+  if (!sent.ok() || r.sources.empty()) {
+    ForgetLocked(call_id);
+    return;
+  }
+  r.stage = ServerRecord::Stage::kAwaitResponseGrant;
+}
+
+Status ServerEndpoint::OnGrant(const FrameView& frame) {
+  Grant probe;
+  if (!probe.ParseFromArray(frame.head.data(),
+                            static_cast<int>(frame.head.size()))) {
+    return absl::InvalidArgumentError("grant head does not parse");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = calls_.find(probe.call_id());
+  if (it == calls_.end() ||
+      it->second->stage != ServerRecord::Stage::kAwaitResponseGrant) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "grant for call ", probe.call_id(), ", which expects none"));
+  }
+  ServerRecord& r = *it->second;
+  RDMARPC_ASSIGN_OR_RETURN(Grant grant, ParseGrant(frame, r.sources.size()));
+  for (int k = 0; k < grant.regions_size(); ++k) {
+    if (grant.regions(k).length() != r.out.out_of_band[k].size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("grant region ", k, " holds ", grant.regions(k).length(),
+                       " bytes for a part of ", r.out.out_of_band[k].size));
+    }
+  }
+  r.stage = ServerRecord::Stage::kWritingResponse;
+  uint64_t call_id = probe.call_id();
+  for (int k = 0; k < grant.regions_size(); ++k) {
+    Connection::WriteRequest w;
+    w.local = r.out.out_of_band[k].data;
+    w.lkey = r.sources[k].lkey;
+    w.remote_addr = grant.regions(k).addr();
+    w.rkey = grant.regions(k).rkey();
+    w.length = grant.regions(k).length();
+    if (k + 1 == grant.regions_size()) w.immediate = grant.grant_id();
+    Status posted = conn_->Write(
+        w, [weak = std::weak_ptr<ServerEndpoint>(shared_from_this()),
+            call_id](Status) {
+          auto self = weak.lock();
+          if (!self) return;
+          std::lock_guard<std::mutex> lock(self->mu_);
+          auto it = self->calls_.find(call_id);
+          if (it != self->calls_.end() && --it->second->writes_pending == 0) {
+            self->ForgetLocked(call_id);
+          }
+        });
+    if (!posted.ok()) break;
+    ++r.writes_pending;
+  }
+  return absl::OkStatus();
+}
+
+void ServerEndpoint::OnCancel(uint64_t call_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = calls_.find(call_id);
+  if (it == calls_.end()) return;  // finished already
+  ServerRecord& r = *it->second;
+  if (r.state) r.state->cancelled.store(true);
+  if (r.stage == ServerRecord::Stage::kAwaitRequestData ||
+      r.stage == ServerRecord::Stage::kAwaitResponseGrant) {
+    ForgetLocked(call_id);  // ends the grant, drops the response
+  }
+}
+
+void ServerEndpoint::OnClosed(const Status& why) {
+  std::shared_ptr<Connection> conn;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+    for (auto& [id, r] : calls_) {
+      if (r->state) r->state->cancelled.store(true);
+    }
+    calls_.clear();
+    grants_.clear();
+    if (cache_) cache_->Clear();
+    conn = std::move(conn_);
+  }
+  if (absl::StrContains(why.message(), "broke the protocol")) {
+    shared_->protocol_errors.fetch_add(1);
+  }
+  std::lock_guard<std::mutex> lock(shared_->mu);
+  --shared_->endpoints_open;
+  shared_->cv.notify_all();
+}
+
+RdmaServerTransport::RdmaServerTransport(internal::Dispatcher* dispatcher,
+                                         const RdmaServerOptions& options)
+    : dispatcher_(dispatcher),
+      options_(options),
+      shared_(std::make_shared<ServerShared>()) {}
+
+StatusOr<std::unique_ptr<RdmaServerTransport>> RdmaServerTransport::Start(
+    internal::Dispatcher* dispatcher, const RdmaServerOptions& options) {
+  std::unique_ptr<RdmaServerTransport> t(
+      new RdmaServerTransport(dispatcher, options));
+  t->address_ = options.address;
+  if (t->address_.empty()) {
+    auto found = FindRdmaIpv4Address();
+    if (!found.ok()) {
+      return absl::FailedPreconditionError(found.status().message());
+    }
+    t->address_ = *found;
+  }
+  RDMARPC_ASSIGN_OR_RETURN(t->events_, CreateEventChannel());
+  RDMARPC_ASSIGN_OR_RETURN(t->listen_id_, CreateCmId(t->events_.get()));
+  sockaddr_in sin{};
+  sin.sin_family = AF_INET;
+  if (inet_pton(AF_INET, t->address_.c_str(), &sin.sin_addr) != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RDMA address '", t->address_, "' is not IPv4"));
+  }
+  if (rdma_bind_addr(t->listen_id_.get(), reinterpret_cast<sockaddr*>(&sin)) !=
+      0) {
+    return VerbsError(absl::StrCat("rdma_bind_addr ", t->address_), errno);
+  }
+  if (rdma_listen(t->listen_id_.get(), 128) != 0) {
+    return VerbsError("rdma_listen", errno);
+  }
+  t->port_ = ntohs(rdma_get_src_port(t->listen_id_.get()));
+  t->cm_thread_ = std::thread([raw = t.get()] { raw->CmLoop(); });
+  return t;
+}
+
+RdmaServerTransport::~RdmaServerTransport() {
+  Shutdown(std::chrono::system_clock::now());
+}
+
+std::string RdmaServerTransport::HelloUnavailable(const std::string& reason) {
+  HelloResponse response;
+  response.set_version(kWireVersion);
+  response.set_unavailable_reason(reason);
+  return response.SerializeAsString();
+}
+
+StatusOr<std::string> RdmaServerTransport::Hello(const std::string& peer,
+                                                 const std::string& request) {
+  (void)peer;
+  HelloRequest hello;
+  if (!hello.ParseFromString(request)) {
+    return absl::InvalidArgumentError("RDMA hello does not parse");
+  }
+  static thread_local std::random_device random;
+  std::string token(kTokenBytes, '\0');
+  for (size_t i = 0; i < kTokenBytes; i += 4) {
+    uint32_t v = random();
+    std::memcpy(token.data() + i, &v, 4);
+  }
+  auto now = std::chrono::steady_clock::now();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shut_down_) return HelloUnavailable("the server is shutting down");
+    for (auto it = tokens_.begin(); it != tokens_.end();) {
+      it = it->second < now ? tokens_.erase(it) : std::next(it);
+    }
+    if (tokens_.size() >= 4096) {
+      return absl::ResourceExhaustedError(
+          "too many RDMA handshakes waiting for their connect");
+    }
+    tokens_[token] = now + options_.token_lifetime;
+  }
+  HelloResponse response;
+  response.set_version(kWireVersion);
+  response.set_cm_address(address_);
+  response.set_cm_port(port_);
+  response.set_token(token);
+  response.set_receives(options_.receives);
+  response.set_receive_bytes(options_.receive_bytes);
+  response.set_inline_threshold(options_.inline_threshold);
+  return response.SerializeAsString();
+}
+
+void RdmaServerTransport::CmLoop() {
+  while (!stop_.load()) {
+    auto event = NextCmEvent(events_.get(), std::chrono::milliseconds(100));
+    if (!event.ok()) continue;
+    switch (event->type) {
+      case RDMA_CM_EVENT_CONNECT_REQUEST:
+        OnConnectRequest(*event);
+        break;
+      case RDMA_CM_EVENT_ESTABLISHED:
+        shared_->accepted.fetch_add(1);
+        break;
+      case RDMA_CM_EVENT_DISCONNECTED:
+      case RDMA_CM_EVENT_CONNECT_ERROR:
+      case RDMA_CM_EVENT_UNREACHABLE: {
+        std::shared_ptr<ServerEndpoint> endpoint;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          auto it = endpoints_.find(event->id);
+          if (it != endpoints_.end()) endpoint = it->second;
+        }
+        if (endpoint) {
+          if (auto conn = endpoint->connection()) {
+            conn->Close(absl::UnavailableError(absl::StrCat(
+                "client left (", rdma_event_str(event->type), ")")));
+          }
+        }
+        break;
+      }
+      default:
+        break;
+    }
+  }
+}
+
+void RdmaServerTransport::OnConnectRequest(const CmEvent& event) {
+  auto refuse = [&](const std::string& why) {
+    (void)why;
+    shared_->refused.fetch_add(1);
+    rdma_reject(event.id, nullptr, 0);
+    rdma_destroy_id(event.id);
+  };
+  auto data = DecodeConnectData(event.private_data);
+  if (!data.ok()) return refuse(std::string(data.status().message()));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = tokens_.find(data->token);
+    if (shut_down_ || it == tokens_.end() ||
+        it->second < std::chrono::steady_clock::now()) {
+      if (it != tokens_.end()) tokens_.erase(it);
+      return refuse("no valid token");
+    }
+    tokens_.erase(it);
+  }
+  if (data->receives < 4 || data->receives > 4096 ||
+      data->receive_bytes < 1024 || data->receive_bytes > (1 << 24)) {
+    return refuse("receive sizes out of range");
+  }
+  ConnectionConfig config;
+  config.receives = options_.receives;
+  config.receive_bytes = options_.receive_bytes;
+  config.peer_receives = data->receives;
+  config.peer_receive_bytes = data->receive_bytes;
+  char peer_text[INET6_ADDRSTRLEN] = "?";
+  sockaddr* dst = rdma_get_peer_addr(event.id);
+  if (dst != nullptr && dst->sa_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(dst)->sin_addr,
+              peer_text, sizeof(peer_text));
+  }
+  auto endpoint = std::make_shared<ServerEndpoint>(
+      dispatcher_, shared_, options_.inline_threshold,
+      absl::StrCat("rdma:", peer_text));
+  auto resources = BuildResources(EventChannel(), CmId(event.id), &config);
+  if (!resources.ok()) {
+    shared_->refused.fetch_add(1);
+    return;  // the id went with the failed resources
+  }
+  auto conn = Connection::Create(*std::move(resources), config, endpoint);
+  if (!conn.ok()) {
+    shared_->refused.fetch_add(1);
+    return;
+  }
+  endpoint->Attach(*conn);
+  rdma_conn_param param{};
+  param.rnr_retry_count = 0;
+  param.retry_count = 7;
+  if (rdma_accept(event.id, &param) != 0) {
+    (*conn)->Close(VerbsError("rdma_accept", errno));
+  }
+  {
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    ++shared_->endpoints_open;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    endpoints_[event.id] = endpoint;
+  }
+  Status added = Engine::Get().Add(*conn);
+  if (!added.ok()) (*conn)->Close(added);
+}
+
+void RdmaServerTransport::Shutdown(
+    std::chrono::system_clock::time_point deadline) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+    tokens_.clear();
+  }
+  stop_.store(true);
+  if (cm_thread_.joinable()) cm_thread_.join();
+  auto running = [this] { return shared_->handlers_running == 0; };
+  {
+    std::unique_lock<std::mutex> lock(shared_->mu);
+    shared_->cv.wait_until(lock, deadline, running);
+  }
+  std::vector<std::shared_ptr<ServerEndpoint>> endpoints;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, e] : endpoints_) endpoints.push_back(e);
+  }
+  for (auto& e : endpoints) e->CancelAll();
+  {
+    std::unique_lock<std::mutex> lock(shared_->mu);
+    shared_->cv.wait(lock, running);
+  }
+  // Let the last responses leave before the connections go.
+  auto flush_until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  for (auto& e : endpoints) {
+    auto conn = e->connection();
+    while (conn && conn->Busy() && !conn->closed() &&
+           std::chrono::steady_clock::now() < flush_until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (conn) conn->Close(absl::UnavailableError("the server shut down"));
+  }
+  {
+    std::unique_lock<std::mutex> lock(shared_->mu);
+    shared_->cv.wait_for(lock, std::chrono::seconds(10),
+                         [this] { return shared_->endpoints_open == 0; });
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  endpoints_.clear();
+}
+
+RdmaServerStats RdmaServerTransport::stats() const {
+  RdmaServerStats s;
+  s.status = absl::StrCat("listening on ", address_, ":", port_);
+  if (listen_id_ && listen_id_->verbs != nullptr) {
+    absl::StrAppend(&s.status, " (",
+                    ibv_get_device_name(listen_id_->verbs->device), ")");
+  }
+  s.connections_accepted = shared_->accepted.load();
+  s.connects_refused = shared_->refused.load();
+  s.protocol_errors = shared_->protocol_errors.load();
+  return s;
+}
+
+}  // namespace rdmarpc::rdma

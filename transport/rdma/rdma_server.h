@@ -1,0 +1,92 @@
+// The RDMA server transport: takes RDMA connections from clients that said
+// hello on the gRPC port, and serves their calls through the dispatcher.
+//
+// Hello() (served on the gRPC port as /rdmarpc.internal.Rdma/Hello) hands
+// out a one-time token with the RDMA endpoint; a CM connect request must
+// present an unused, unexpired token or it is refused and counted. Each
+// connection then carries calls as in rdma_client.h: the server grants
+// landing memory for a request's large tensors, runs the handler once they
+// landed, and writes the response's large tensors into what the client
+// grants.
+//
+//   auto rdma = RdmaServerTransport::Start(dispatcher, {});
+//   if (!rdma.ok()) serve gRPC only; Hello answers with the reason.
+#ifndef RDMARPC_TRANSPORT_RDMA_RDMA_SERVER_H_
+#define RDMARPC_TRANSPORT_RDMA_RDMA_SERVER_H_
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "rdmarpc/server.h"
+#include "runtime/transport.h"
+#include "transport/rdma/connection.h"
+#include "transport/rdma/verbs.h"
+
+namespace rdmarpc::rdma {
+
+class ServerEndpoint;
+struct ServerShared;
+
+// Tensors up to this size go inside the SEND by default; above it, by RDMA
+// WRITE. From bench/rdma_inline_threshold (see docs/design.md).
+inline constexpr uint64_t kDefaultInlineThreshold = 8 << 10;
+
+struct RdmaServerOptions {
+  std::string address;  // empty: the first address with an ACTIVE RDMA port
+  uint32_t receives = 64;
+  uint32_t receive_bytes = 32 << 10;
+  uint64_t inline_threshold = kDefaultInlineThreshold;
+  std::chrono::seconds token_lifetime{30};
+};
+
+class RdmaServerTransport final : public internal::ServerTransport {
+ public:
+  // Listens on `options.address` (port chosen by the CM). FAILED_PRECONDITION
+  // when this host has no usable RDMA device.
+  static StatusOr<std::unique_ptr<RdmaServerTransport>> Start(
+      internal::Dispatcher* dispatcher, const RdmaServerOptions& options);
+  ~RdmaServerTransport() override;
+
+  // The handshake: HelloRequest bytes in, HelloResponse bytes out.
+  StatusOr<std::string> Hello(const std::string& peer,
+                              const std::string& request);
+  // HelloResponse bytes for a server without RDMA.
+  static std::string HelloUnavailable(const std::string& reason);
+
+  void Shutdown(std::chrono::system_clock::time_point deadline) override;
+
+  RdmaServerStats stats() const;
+
+ private:
+  explicit RdmaServerTransport(internal::Dispatcher* dispatcher,
+                               const RdmaServerOptions& options);
+  void CmLoop();
+  void OnConnectRequest(const CmEvent& event);
+
+  internal::Dispatcher* dispatcher_;
+  RdmaServerOptions options_;
+  std::string address_;
+  uint16_t port_ = 0;
+  EventChannel events_;
+  CmId listen_id_;
+  std::shared_ptr<ServerShared> shared_;
+  std::atomic<bool> stop_{false};
+  std::thread cm_thread_;
+
+  mutable std::mutex mu_;
+  std::map<std::string, std::chrono::steady_clock::time_point> tokens_;
+  std::map<rdma_cm_id*, std::shared_ptr<ServerEndpoint>> endpoints_;
+  bool shut_down_ = false;
+};
+
+}  // namespace rdmarpc::rdma
+
+#endif  // RDMARPC_TRANSPORT_RDMA_RDMA_SERVER_H_
