@@ -65,6 +65,34 @@ void Channel::ConnectRdma() {
   for (auto& call : waiting) Route(std::move(call));
 }
 
+ChannelTransportStats Channel::transport_stats() {
+  ChannelTransportStats stats;
+  std::lock_guard<std::mutex> lock(mu_);
+  switch (rdma_state_) {
+    case RdmaState::kUnknown:
+      stats.rdma = "not tried yet";
+      break;
+    case RdmaState::kConnecting:
+      stats.rdma = "connecting";
+      break;
+    case RdmaState::kUnavailable:
+      stats.rdma = rdma_reason_;
+      break;
+    case RdmaState::kReady:
+      stats.rdma = absl::StrCat("ready: ", rdma_->description());
+      break;
+  }
+  if (rdma_) {
+    rdma::Connection::Counters c = rdma_->counters();
+    stats.rdma_frames_sent = c.frames_sent;
+    stats.rdma_frames_received = c.frames_received;
+    stats.rdma_writes_posted = c.writes_posted;
+    stats.rdma_credit_frames_sent = c.credit_frames_sent;
+    stats.rdma_waits_for_credit = c.waits_for_credit;
+  }
+  return stats;
+}
+
 void Channel::Route(internal::ClientCall call) {
   CallStats* stats = call.ctx->mutable_stats();
   internal::ClientTransport* transport = grpc_.get();

@@ -571,7 +571,7 @@ StatusOr<std::unique_ptr<RdmaClientTransport>> RdmaClientTransport::Connect(
   }
   uint64_t threshold = server.inline_threshold();
   if (options.rdma_inline_threshold != 0) {
-    threshold = std::min(threshold, options.rdma_inline_threshold);
+    threshold = options.rdma_inline_threshold;
   }
   std::unique_ptr<RdmaClientTransport> t(new RdmaClientTransport());
   t->description_ = absl::StrCat("RDMA connection to ", server.cm_address(),

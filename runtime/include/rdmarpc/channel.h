@@ -49,9 +49,24 @@ struct ChannelOptions {
   // Handshake plus RDMA connect, before 'auto' settles for gRPC (and calls
   // made meanwhile wait for the outcome).
   std::chrono::milliseconds rdma_connect_timeout{5000};
-  // Request tensors up to this size go inside the RDMA SEND instead of by
-  // RDMA WRITE. 0: the server's advertised threshold.
+  // Request tensors up to this size go inside the RDMA SEND (when they fit
+  // the server's receive buffers) instead of by RDMA WRITE. 0: the
+  // threshold the server advertises.
   uint64_t rdma_inline_threshold = 0;
+};
+
+// How a channel's transports are doing; see Channel::transport_stats().
+struct ChannelTransportStats {
+  // "ready: RDMA connection to 198.18.0.1:41234 (rxe0)", "connecting",
+  // "not tried yet", or why RDMA is not used.
+  std::string rdma;
+  // The RDMA connection's frames, writes, credit-only frames, and how
+  // often a frame or write had to wait for the peer's credits.
+  uint64_t rdma_frames_sent = 0;
+  uint64_t rdma_frames_received = 0;
+  uint64_t rdma_writes_posted = 0;
+  uint64_t rdma_credit_frames_sent = 0;
+  uint64_t rdma_waits_for_credit = 0;
 };
 
 namespace internal {
@@ -87,6 +102,8 @@ class Channel {
   Status Call(std::string_view method, ClientContext* ctx,
               const google::protobuf::Message& request,
               google::protobuf::Message* response);
+
+  ChannelTransportStats transport_stats();
 
   // Future form of CallAsync: the future becomes ready when the call
   // completes. The borrowed objects must outlive that moment.

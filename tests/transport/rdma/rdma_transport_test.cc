@@ -1,0 +1,513 @@
+// The RDMA transport under load and under attack: many calls in flight,
+// many connections, credits running out, a 1 GiB tensor, split writes,
+// zero-copy accounting, and peers that break the rules. Needs an RDMA
+// device (label rdma: run through tests/rdma_vm/run.sh).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "e2e_test.rdmarpc.pb.h"
+#include "rdmarpc/rdmarpc.h"
+#include "transport/grpc/grpc_client.h"
+#include "transport/rdma/connection_setup.h"
+#include "transport/rdma/rdma_client.h"
+#include "transport/rdma/wire.h"
+
+namespace rdmarpc_test {
+namespace {
+
+using rdmarpc::ClientContext;
+using rdmarpc::TensorBuffer;
+
+std::vector<uint8_t> Pattern(size_t n, uint32_t seed) {
+  std::vector<uint8_t> v(n);
+  uint32_t x = seed * 2654435761u + 1;
+  for (size_t i = 0; i < n; ++i) {
+    x = x * 1664525u + 1013904223u;
+    v[i] = static_cast<uint8_t>(x >> 24);
+  }
+  return v;
+}
+
+class Service final : public E2E::Service {
+ public:
+  rdmarpc::Status Echo(rdmarpc::ServerContext* ctx, const EchoRequest& req,
+                       EchoResponse* resp) override {
+    ++echo_calls;
+    resp->set_note(req.note());
+    if (!req.has_tensor()) return absl::OkStatus();
+    RDMARPC_ASSIGN_OR_RETURN(rdmarpc::TensorView in,
+                             ctx->tensors().Get(req.tensor()));
+    if (req.fail_code() == 1) {  // checksum instead of echo
+      uint64_t sum = 0;
+      const auto* p = static_cast<const uint8_t*>(in.data());
+      for (size_t i = 0; i < in.size(); i += 4096) sum += p[i] * (i + 1);
+      resp->set_note(std::to_string(sum));
+      return absl::OkStatus();
+    }
+    return ctx->tensors().Set(resp->mutable_tensor(), in);
+  }
+  rdmarpc::Status Slow(rdmarpc::ServerContext*, const EchoRequest& req,
+                       EchoResponse* resp) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(req.sleep_ms()));
+    resp->set_note(req.note());
+    return absl::OkStatus();
+  }
+  std::atomic<int> echo_calls{0};
+};
+
+std::unique_ptr<rdmarpc::Server> StartServer(Service* service, int* port,
+                                             uint32_t receives = 64,
+                                             int workers = 8) {
+  auto server = rdmarpc::ServerBuilder()
+                    .AddListeningPort("127.0.0.1:0", port)
+                    .RegisterService(service)
+                    .SetNumWorkers(workers)
+                    .SetRdmaReceives(receives)
+                    .BuildAndStart();
+  EXPECT_TRUE(server.ok()) << server.status();
+  return server.ok() ? std::move(*server) : nullptr;
+}
+
+std::shared_ptr<rdmarpc::Channel> RdmaChannel(int port) {
+  rdmarpc::ChannelOptions options;
+  options.policy = rdmarpc::TransportPolicy::kRdma;
+  return rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port), options);
+}
+
+// One echo with a `size`-byte tensor; true when it came back byte-exact
+// over RDMA.
+bool EchoOnce(E2E::Stub* stub, size_t size, uint32_t seed) {
+  std::vector<uint8_t> bytes = Pattern(size, seed);
+  ClientContext ctx;
+  EchoRequest req;
+  req.set_note(std::to_string(seed));
+  if (!ctx.tensors()
+           .Set(req.mutable_tensor(), rdmarpc::DTYPE_U8,
+                {static_cast<int64_t>(size)},
+                TensorBuffer::Borrow(bytes.data(), bytes.size()))
+           .ok()) {
+    return false;
+  }
+  EchoResponse resp;
+  rdmarpc::Status s = stub->Echo(&ctx, req, &resp);
+  if (!s.ok()) {
+    ADD_FAILURE() << s;
+    return false;
+  }
+  auto out = ctx.tensors().Get(resp.tensor());
+  return out.ok() && resp.note() == std::to_string(seed) &&
+         ctx.stats().transport == rdmarpc::TransportKind::kRdma &&
+         out->size() == size &&
+         std::memcmp(out->data(), bytes.data(), size) == 0;
+}
+
+TEST(RdmaTransport, TwoHundredFiftySixCallsInFlightOnOneConnection) {
+  Service service;
+  int port = 0;
+  auto server = StartServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  auto channel = RdmaChannel(port);
+  auto stub = E2E::NewStub(channel);
+  constexpr int kCalls = 256;
+  struct Call {
+    ClientContext ctx;
+    EchoRequest req;
+    EchoResponse resp;
+    std::vector<uint8_t> bytes;
+    std::promise<rdmarpc::Status> done;
+  };
+  std::vector<std::unique_ptr<Call>> calls;
+  for (int i = 0; i < kCalls; ++i) {
+    auto c = std::make_unique<Call>();
+    // Alternate inline-sized and written tensors.
+    c->bytes = Pattern(i % 2 == 0 ? 100 + i : (64 << 10) + i, i);
+    ASSERT_TRUE(c->ctx.tensors()
+                    .Set(c->req.mutable_tensor(), rdmarpc::DTYPE_U8,
+                         {static_cast<int64_t>(c->bytes.size())},
+                         TensorBuffer::Borrow(c->bytes.data(), c->bytes.size()))
+                    .ok());
+    calls.push_back(std::move(c));
+  }
+  for (auto& c : calls) {
+    Call* raw = c.get();
+    stub->Echo(&raw->ctx, raw->req, &raw->resp,
+               [raw](rdmarpc::Status s) { raw->done.set_value(s); });
+  }
+  int ok = 0;
+  for (auto& c : calls) {
+    rdmarpc::Status s = c->done.get_future().get();
+    EXPECT_TRUE(s.ok()) << s;
+    auto out = c->ctx.tensors().Get(c->resp.tensor());
+    if (s.ok() && out.ok() && out->size() == c->bytes.size() &&
+        std::memcmp(out->data(), c->bytes.data(), c->bytes.size()) == 0 &&
+        c->ctx.stats().transport == rdmarpc::TransportKind::kRdma) {
+      ++ok;
+    }
+  }
+  EXPECT_EQ(ok, kCalls);
+  rdmarpc::ChannelTransportStats stats = channel->transport_stats();
+  EXPECT_EQ(stats.rdma.rfind("ready: ", 0), 0u) << stats.rdma;
+  EXPECT_GT(stats.rdma_writes_posted, 0u);
+}
+
+TEST(RdmaTransport, ThirtyTwoConnectionsToOneServer) {
+  Service service;
+  int port = 0;
+  auto server = StartServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  constexpr int kChannels = 32;
+  std::atomic<int> ok{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kChannels; ++t) {
+    threads.emplace_back([&, t] {
+      auto channel = RdmaChannel(port);
+      auto stub = E2E::NewStub(channel);
+      for (int i = 0; i < 5; ++i) {
+        if (EchoOnce(stub.get(), i % 2 ? 50000 : 300, t * 10 + i)) ++ok;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(ok.load(), kChannels * 5);
+  EXPECT_GE(server->rdma_stats().connections_accepted,
+            static_cast<uint64_t>(kChannels));
+}
+
+TEST(RdmaTransport, CreditsRunOutUnderASlowHandlerAndCallsWait) {
+  Service service;
+  int port = 0;
+  // Four receives and two workers: 64 calls must queue for credits.
+  auto server = StartServer(&service, &port, /*receives=*/4, /*workers=*/2);
+  ASSERT_NE(server, nullptr);
+  auto channel = RdmaChannel(port);
+  auto stub = E2E::NewStub(channel);
+  constexpr int kCalls = 64;
+  std::vector<std::future<rdmarpc::Status>> results;
+  std::vector<std::unique_ptr<ClientContext>> contexts;
+  std::vector<EchoRequest> requests(kCalls);
+  std::vector<EchoResponse> responses(kCalls);
+  for (int i = 0; i < kCalls; ++i) {
+    contexts.push_back(std::make_unique<ClientContext>());
+    requests[i].set_sleep_ms(20);
+    requests[i].set_note(std::to_string(i));
+  }
+  for (int i = 0; i < kCalls; ++i) {
+    results.push_back(
+        stub->SlowFuture(contexts[i].get(), requests[i], &responses[i]));
+  }
+  for (int i = 0; i < kCalls; ++i) {
+    rdmarpc::Status s = results[i].get();
+    EXPECT_TRUE(s.ok()) << i << ": " << s;
+    EXPECT_EQ(responses[i].note(), std::to_string(i));
+    EXPECT_EQ(contexts[i]->stats().transport, rdmarpc::TransportKind::kRdma);
+  }
+  rdmarpc::ChannelTransportStats stats = channel->transport_stats();
+  EXPECT_GT(stats.rdma_waits_for_credit, 0u);
+  EXPECT_EQ(stats.rdma.rfind("ready: ", 0), 0u) << stats.rdma;
+}
+
+TEST(RdmaTransport, OneGibibyteTensor) {
+  Service service;
+  int port = 0;
+  auto server = StartServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  auto stub = E2E::NewStub(RdmaChannel(port));
+  const size_t size = size_t{1} << 30;
+  std::unique_ptr<uint8_t[]> bytes(new uint8_t[size]);
+  uint64_t expected = 0;
+  for (size_t i = 0; i < size; i += 4096) {
+    bytes[i] = static_cast<uint8_t>(i >> 12);
+    expected += bytes[i] * (i + 1);
+  }
+  ClientContext ctx;
+  EchoRequest req;
+  req.set_fail_code(1);  // checksum
+  ASSERT_TRUE(ctx.tensors()
+                  .Set(req.mutable_tensor(), rdmarpc::DTYPE_U8,
+                       {static_cast<int64_t>(size)},
+                       TensorBuffer::Borrow(bytes.get(), size))
+                  .ok());
+  EchoResponse resp;
+  rdmarpc::Status s = stub->Echo(&ctx, req, &resp);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(resp.note(), std::to_string(expected));
+  EXPECT_EQ(ctx.stats().transport, rdmarpc::TransportKind::kRdma);
+  EXPECT_EQ(ctx.stats().tensor_bytes_sent, size);
+  EXPECT_EQ(ctx.stats().cpu_copied_bytes, 0u);
+}
+
+TEST(RdmaTransport, WritesSplitAtTheMaximumMessageSize) {
+  // Connections made from here on split writes at 1 MiB.
+  setenv("RDMARPC_RDMA_MAX_WRITE_BYTES", "1048576", 1);
+  Service service;
+  int port = 0;
+  auto server = StartServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  auto channel = RdmaChannel(port);
+  auto stub = E2E::NewStub(channel);
+  EXPECT_TRUE(EchoOnce(stub.get(), (64 << 20) + 3, 5));
+  unsetenv("RDMARPC_RDMA_MAX_WRITE_BYTES");
+  // 64 MiB + 3 bytes in 1 MiB pieces: 65 writes (the response's pieces
+  // are the server's).
+  EXPECT_EQ(channel->transport_stats().rdma_writes_posted, 65u);
+}
+
+TEST(RdmaTransport, RegisteredMemoryIsSentAndReceivedWithoutCpuCopies) {
+  Service service;
+  int port = 0;
+  auto server = StartServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  auto stub = E2E::NewStub(RdmaChannel(port));
+  std::vector<uint8_t> bytes = Pattern(1 << 20, 9);
+  std::vector<uint8_t> landing(1 << 20);
+  ASSERT_TRUE(rdmarpc::RegisterMemoryForRdma(bytes.data(), bytes.size()).ok());
+  for (int round = 0; round < 2; ++round) {  // the second hits the cache
+    ClientContext ctx;
+    ctx.SetResponseTensorBuffer(
+        0, TensorBuffer::Borrow(landing.data(), landing.size()));
+    EchoRequest req;
+    ASSERT_TRUE(ctx.tensors()
+                    .Set(req.mutable_tensor(), rdmarpc::DTYPE_U8,
+                         {static_cast<int64_t>(bytes.size())},
+                         TensorBuffer::Borrow(bytes.data(), bytes.size()))
+                    .ok());
+    EchoResponse resp;
+    ASSERT_TRUE(stub->Echo(&ctx, req, &resp).ok());
+    auto out = ctx.tensors().Get(resp.tensor());
+    ASSERT_TRUE(out.ok());
+    EXPECT_EQ(out->data(), landing.data());  // landed in the given buffer
+    EXPECT_EQ(0, std::memcmp(landing.data(), bytes.data(), bytes.size()));
+    EXPECT_EQ(ctx.stats().transport, rdmarpc::TransportKind::kRdma);
+    EXPECT_EQ(ctx.stats().tensor_bytes_sent, bytes.size());
+    EXPECT_EQ(ctx.stats().tensor_bytes_received, bytes.size());
+    EXPECT_EQ(ctx.stats().cpu_copied_bytes, 0u);
+    std::memset(landing.data(), 0, landing.size());
+  }
+  EXPECT_TRUE(rdmarpc::UnregisterMemoryForRdma(bytes.data()).ok());
+  EXPECT_EQ(rdmarpc::UnregisterMemoryForRdma(bytes.data()).code(),
+            absl::StatusCode::kNotFound);
+}
+
+// A handler for a hand-driven connection: keeps every frame it receives.
+class RecordingHandler final : public rdmarpc::rdma::Connection::Handler {
+ public:
+  rdmarpc::Status OnFrame(const rdmarpc::rdma::FrameView& frame) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    frames_.push_back({frame.type, std::string(frame.head)});
+    cv_.notify_all();
+    return absl::OkStatus();
+  }
+  rdmarpc::Status OnWriteLanded(uint32_t) override { return absl::OkStatus(); }
+  void OnClosed(const rdmarpc::Status& why) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = why;
+    cv_.notify_all();
+  }
+  // The next frame's head, or "" after 10 s.
+  std::pair<rdmarpc::rdma::FrameType, std::string> Next() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(10),
+                 [&] { return !frames_.empty(); });
+    if (frames_.empty()) return {rdmarpc::rdma::FrameType::kCredit, ""};
+    auto f = frames_.front();
+    frames_.pop_front();
+    return f;
+  }
+  bool WaitClosed() {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::seconds(10),
+                        [&] { return !closed_.ok(); });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<rdmarpc::rdma::FrameType, std::string>> frames_;
+  rdmarpc::Status closed_;
+};
+
+class ForgedPeerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    server_ = StartServer(&service_, &port_);
+    ASSERT_NE(server_, nullptr);
+    grpc_ = std::make_unique<rdmarpc::grpc_transport::GrpcClientTransport>(
+        "127.0.0.1:" + std::to_string(port_), rdmarpc::ChannelOptions());
+  }
+
+  rdmarpc::rdma::HelloResponse Hello() {
+    rdmarpc::rdma::HelloRequest req;
+    req.set_version(rdmarpc::rdma::kWireVersion);
+    auto bytes =
+        grpc_->UnaryBytes(rdmarpc::rdma::kHelloMethod, req.SerializeAsString(),
+                          std::chrono::seconds(5));
+    EXPECT_TRUE(bytes.ok()) << bytes.status();
+    rdmarpc::rdma::HelloResponse resp;
+    EXPECT_TRUE(bytes.ok() && resp.ParseFromString(*bytes));
+    return resp;
+  }
+
+  rdmarpc::StatusOr<std::shared_ptr<rdmarpc::rdma::Connection>> Connect(
+      const rdmarpc::rdma::HelloResponse& hello, const std::string& token,
+      std::shared_ptr<RecordingHandler> handler) {
+    rdmarpc::rdma::ConnectionConfig config;
+    config.peer_receives = hello.receives();
+    config.peer_receive_bytes = hello.receive_bytes();
+    return rdmarpc::rdma::ConnectToServer(
+        hello.cm_address(), static_cast<uint16_t>(hello.cm_port()), token,
+        config, std::move(handler), std::chrono::seconds(5));
+  }
+
+  // A normal client still gets served.
+  void ExpectServerStillServes() {
+    auto stub = E2E::NewStub(RdmaChannel(port_));
+    EXPECT_TRUE(EchoOnce(stub.get(), 100000, 77));
+  }
+
+  Service service_;
+  int port_ = 0;
+  std::unique_ptr<rdmarpc::Server> server_;
+  std::unique_ptr<rdmarpc::grpc_transport::GrpcClientTransport> grpc_;
+};
+
+TEST_F(ForgedPeerTest, ConnectWithoutAValidTokenIsRefusedAndCounted) {
+  rdmarpc::rdma::HelloResponse hello = Hello();
+  ASSERT_TRUE(hello.unavailable_reason().empty()) << hello.unavailable_reason();
+  auto forged = Connect(hello, std::string(16, 'x'),
+                        std::make_shared<RecordingHandler>());
+  EXPECT_FALSE(forged.ok());
+  EXPECT_NE(forged.status().message().find("REJECTED"), std::string::npos)
+      << forged.status();
+  // A real token works once; replaying it is refused.
+  auto first =
+      Connect(hello, hello.token(), std::make_shared<RecordingHandler>());
+  EXPECT_TRUE(first.ok()) << first.status();
+  auto replay =
+      Connect(hello, hello.token(), std::make_shared<RecordingHandler>());
+  EXPECT_FALSE(replay.ok());
+  EXPECT_EQ(server_->rdma_stats().connects_refused, 2u);
+  if (first.ok()) (*first)->Close(absl::CancelledError("test done"));
+  ExpectServerStillServes();
+}
+
+TEST_F(ForgedPeerTest, WriteOutsideTheGrantFailsOnlyThatConnection) {
+  rdmarpc::rdma::HelloResponse hello = Hello();
+  auto handler = std::make_shared<RecordingHandler>();
+  auto conn = Connect(hello, hello.token(), handler);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  // A request for Echo with one 4096-byte tensor sent out of band.
+  EchoRequest msg;
+  msg.mutable_tensor()->set_dtype(rdmarpc::DTYPE_U8);
+  msg.mutable_tensor()->add_shape(4096);
+  std::string message = msg.SerializeAsString();
+  rdmarpc::rdma::RequestHead head;
+  head.set_call_id(1);
+  head.set_method("/rdmarpc_test.E2E/Echo");
+  head.add_parts()->set_size(message.size());
+  auto* part = head.add_parts();
+  part->set_out_of_band(true);
+  part->set_size(4096);
+  std::span<const uint8_t> inline_part(
+      reinterpret_cast<const uint8_t*>(message.data()), message.size());
+  ASSERT_TRUE((*conn)
+                  ->SendFrame(rdmarpc::rdma::FrameType::kRequest, &head,
+                              std::span(&inline_part, 1))
+                  .ok());
+  auto [type, grant_head] = handler->Next();
+  ASSERT_EQ(type, rdmarpc::rdma::FrameType::kGrant);
+  rdmarpc::rdma::Grant grant;
+  ASSERT_TRUE(grant.ParseFromString(grant_head));
+  ASSERT_EQ(grant.regions_size(), 1);
+  // Write past the end of the granted region.
+  std::vector<uint8_t> bytes(8192, 0xab);
+  auto mr = rdmarpc::rdma::RegisterMemory((*conn)->pd(), bytes.data(),
+                                          bytes.size(), 0);
+  ASSERT_TRUE(mr.ok());
+  std::promise<rdmarpc::Status> written;
+  ASSERT_TRUE((*conn)
+                  ->Write({.local = bytes.data(),
+                           .lkey = (*mr)->lkey,
+                           .remote_addr = grant.regions(0).addr() + 4096,
+                           .rkey = grant.regions(0).rkey(),
+                           .length = 4096,
+                           .immediate = grant.grant_id()},
+                          [&](rdmarpc::Status s) { written.set_value(s); })
+                  .ok());
+  rdmarpc::Status s = written.get_future().get();
+  EXPECT_FALSE(s.ok());
+  EXPECT_TRUE(handler->WaitClosed());
+  EXPECT_EQ(service_.echo_calls.load(), 0);
+  ExpectServerStillServes();
+}
+
+TEST_F(ForgedPeerTest, MalformedFrameClosesOnlyThatConnection) {
+  rdmarpc::rdma::HelloResponse hello = Hello();
+  auto handler = std::make_shared<RecordingHandler>();
+  auto conn = Connect(hello, hello.token(), handler);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  // A grant the server never asked for: the client broke the protocol.
+  rdmarpc::rdma::Grant grant;
+  grant.set_call_id(42);
+  grant.set_grant_id(1);
+  auto* r = grant.add_regions();
+  r->set_addr(4096);
+  r->set_rkey(1);
+  r->set_length(16);
+  ASSERT_TRUE(
+      (*conn)->SendFrame(rdmarpc::rdma::FrameType::kGrant, &grant).ok());
+  // (This hand-driven peer watches no CM events, so it does not see the
+  // server's disconnect; the server's count says it happened.)
+  for (int i = 0; i < 100 && server_->rdma_stats().protocol_errors == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(server_->rdma_stats().protocol_errors, 1u);
+  ExpectServerStillServes();
+}
+
+TEST_F(ForgedPeerTest, DescriptorThatDisagreesWithTheMessageFailsTheCall) {
+  rdmarpc::rdma::HelloResponse hello = Hello();
+  auto handler = std::make_shared<RecordingHandler>();
+  auto conn = Connect(hello, hello.token(), handler);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  // The message says 4096 bytes of u8; the part says 10, inline.
+  EchoRequest msg;
+  msg.mutable_tensor()->set_dtype(rdmarpc::DTYPE_U8);
+  msg.mutable_tensor()->add_shape(4096);
+  std::string message = msg.SerializeAsString();
+  std::string ten(10, 'z');
+  rdmarpc::rdma::RequestHead head;
+  head.set_call_id(7);
+  head.set_method("/rdmarpc_test.E2E/Echo");
+  head.add_parts()->set_size(message.size());
+  head.add_parts()->set_size(ten.size());
+  std::span<const uint8_t> parts[] = {
+      {reinterpret_cast<const uint8_t*>(message.data()), message.size()},
+      {reinterpret_cast<const uint8_t*>(ten.data()), ten.size()}};
+  ASSERT_TRUE((*conn)
+                  ->SendFrame(rdmarpc::rdma::FrameType::kRequest, &head, parts)
+                  .ok());
+  auto [type, response_head] = handler->Next();
+  ASSERT_EQ(type, rdmarpc::rdma::FrameType::kResponse);
+  rdmarpc::rdma::ResponseHead response;
+  ASSERT_TRUE(response.ParseFromString(response_head));
+  EXPECT_EQ(response.code(),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(response.message().find("4096"), std::string::npos)
+      << response.message();
+  EXPECT_EQ(service_.echo_calls.load(), 0);
+  (*conn)->Close(absl::CancelledError("test done"));
+  ExpectServerStillServes();
+}
+
+}  // namespace
+}  // namespace rdmarpc_test
