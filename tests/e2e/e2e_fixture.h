@@ -25,6 +25,17 @@ struct TransportCase {
   rdmarpc::TransportKind expected;
 };
 
+// Deterministic bytes that differ per position and per seed.
+inline std::vector<uint8_t> Pattern(size_t n, uint32_t seed) {
+  std::vector<uint8_t> v(n);
+  uint32_t x = seed * 2654435761u + 1;
+  for (size_t i = 0; i < n; ++i) {
+    x = x * 1664525u + 1013904223u;
+    v[i] = static_cast<uint8_t>(x >> 24);
+  }
+  return v;
+}
+
 inline std::string CaseName(
     const ::testing::TestParamInfo<TransportCase>& info) {
   return info.param.name;
@@ -92,17 +103,6 @@ class E2ETest : public ::testing::TestWithParam<TransportCase> {
 
   void TearDown() override {
     if (server_) server_->Shutdown();
-  }
-
-  // Deterministic bytes that differ per position and per seed.
-  static std::vector<uint8_t> Pattern(size_t n, uint32_t seed) {
-    std::vector<uint8_t> v(n);
-    uint32_t x = seed * 2654435761u + 1;
-    for (size_t i = 0; i < n; ++i) {
-      x = x * 1664525u + 1013904223u;
-      v[i] = static_cast<uint8_t>(x >> 24);
-    }
-    return v;
   }
 
   E2EService service_;

@@ -295,6 +295,7 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
       }
     }
     if (!handled.ok()) {
+      broke_protocol_.store(true);
       Close(absl::UnavailableError(
           absl::StrCat("RDMA connection closed: the peer broke the protocol: ",
                        handled.message())));

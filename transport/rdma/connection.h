@@ -122,6 +122,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // told, queued and posted work fails with `why`, Handler::OnClosed runs.
   void Close(Status why);
   bool closed() const { return closed_.load(); }
+  // Whether a malformed frame or a Handler error closed it.
+  bool broke_protocol() const { return broke_protocol_.load(); }
 
   // Bytes a frame may take at most (the peer's receive size).
   size_t max_frame_bytes() const { return config_.peer_receive_bytes; }
@@ -189,6 +191,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   const ConnectionConfig config_;
   std::shared_ptr<Handler> handler_;
   std::atomic<bool> closed_{false};
+  std::atomic<bool> broke_protocol_{false};
   bool finished_ = false;  // engine thread only
 
   mutable std::mutex mu_;

@@ -79,6 +79,44 @@ StatusOr<OutgoingPayload> PlanPayload(const google::protobuf::Message& msg,
   return out;
 }
 
+StatusOr<uint64_t> GrantCallId(const FrameView& frame) {
+  Grant probe;
+  if (!probe.ParseFromArray(frame.head.data(),
+                            static_cast<int>(frame.head.size()))) {
+    return absl::InvalidArgumentError("grant head does not parse");
+  }
+  return probe.call_id();
+}
+
+StatusOr<int> WriteGrantedParts(const FrameView& frame,
+                                const OutgoingPayload& out,
+                                std::span<const LocalMemory> sources,
+                                Connection* conn,
+                                const std::function<void(Status)>& done) {
+  RDMARPC_ASSIGN_OR_RETURN(Grant grant,
+                           ParseGrant(frame, out.out_of_band.size()));
+  for (int k = 0; k < grant.regions_size(); ++k) {
+    if (grant.regions(k).length() != out.out_of_band[k].size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("grant region ", k, " holds ", grant.regions(k).length(),
+                       " bytes for a part of ", out.out_of_band[k].size));
+    }
+  }
+  int queued = 0;
+  for (int k = 0; k < grant.regions_size(); ++k) {
+    Connection::WriteRequest w;
+    w.local = out.out_of_band[k].data;
+    w.lkey = sources[k].lkey;
+    w.remote_addr = grant.regions(k).addr();
+    w.rkey = grant.regions(k).rkey();
+    w.length = grant.regions(k).length();
+    if (k + 1 == grant.regions_size()) w.immediate = grant.grant_id();
+    if (!conn->Write(w, done).ok()) break;  // closed: the endpoint fails it
+    ++queued;
+  }
+  return queued;
+}
+
 StatusOr<IncomingPayload> ReceivePayload(
     const google::protobuf::RepeatedPtrField<Part>& parts,
     std::string_view inline_bytes, uint64_t max_tensor_bytes,

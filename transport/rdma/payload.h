@@ -28,7 +28,9 @@
 #include "rdmarpc/status.h"
 #include "rdmarpc/tensor.h"
 #include "runtime/codec.h"
+#include "transport/rdma/connection.h"
 #include "transport/rdma/rdma_frame.pb.h"
+#include "transport/rdma/registration.h"
 #include "transport/rdma/verbs.h"
 
 namespace rdmarpc::rdma {
@@ -61,6 +63,19 @@ struct OutgoingPayload {
 [[nodiscard]] StatusOr<OutgoingPayload> PlanPayload(
     const google::protobuf::Message& msg, const CallTensors& tensors,
     size_t frame_room, uint64_t inline_threshold);
+
+// The call id a grant frame names, to find its call before checking it.
+[[nodiscard]] StatusOr<uint64_t> GrantCallId(const FrameView& frame);
+
+// Checks that `frame` grants exactly the out-of-band parts of `out` (count
+// and lengths: anything else is a protocol violation), then queues one
+// write per part into its region, the last carrying the grant id as
+// immediate. `sources[k]` registers part k; `done` runs once per queued
+// write. Returns how many were queued (fewer if the connection closed).
+[[nodiscard]] StatusOr<int> WriteGrantedParts(
+    const FrameView& frame, const OutgoingPayload& out,
+    std::span<const LocalMemory> sources, Connection* conn,
+    const std::function<void(Status)>& done);
 
 struct IncomingPayload {
   std::vector<Part> parts;

@@ -344,59 +344,37 @@ Status ClientEndpoint::OnFrame(const FrameView& frame) {
 
 Status ClientEndpoint::OnGrant(const FrameView& frame,
                                std::vector<Outcome>* outcomes) {
-  Grant probe;
-  if (!probe.ParseFromArray(frame.head.data(),
-                            static_cast<int>(frame.head.size()))) {
-    return absl::InvalidArgumentError("grant head does not parse");
-  }
+  RDMARPC_ASSIGN_OR_RETURN(uint64_t call_id, GrantCallId(frame));
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = calls_.find(probe.call_id());
+  auto it = calls_.find(call_id);
   if (it == calls_.end()) return absl::OkStatus();  // cancelled meanwhile
   ClientRecord& r = *it->second;
   if (r.stage != ClientRecord::Stage::kAwaitGrant) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "grant for call ", probe.call_id(), ", which expects none"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("grant for call ", call_id, ", which expects none"));
   }
-  RDMARPC_ASSIGN_OR_RETURN(Grant grant, ParseGrant(frame, r.sources.size()));
-  for (int k = 0; k < grant.regions_size(); ++k) {
-    if (grant.regions(k).length() != r.out.out_of_band[k].size) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("grant region ", k, " holds ", grant.regions(k).length(),
-                       " bytes for a part of ", r.out.out_of_band[k].size));
+  auto on_written = [weak = std::weak_ptr<ClientEndpoint>(shared_from_this()),
+                     call_id](Status s) {
+    auto ep = weak.lock();
+    if (!ep) return;
+    std::vector<Outcome> done;
+    {
+      std::lock_guard<std::mutex> lock(ep->mu_);
+      auto it = ep->calls_.find(call_id);
+      if (it == ep->calls_.end()) return;
+      ClientRecord& rec = *it->second;
+      --rec.writes_pending;
+      if (!s.ok() && !rec.deferred) rec.deferred = s;
+      if (rec.writes_pending == 0 && rec.deferred) {
+        ep->FinishLocked(call_id, *rec.deferred, &done);
+      }
     }
-  }
+    ep->Complete(std::move(done));
+  };
+  RDMARPC_ASSIGN_OR_RETURN(
+      r.writes_pending,
+      WriteGrantedParts(frame, r.out, r.sources, conn_.get(), on_written));
   r.stage = ClientRecord::Stage::kAwaitResponse;
-  uint64_t call_id = probe.call_id();
-  for (int k = 0; k < grant.regions_size(); ++k) {
-    Connection::WriteRequest w;
-    w.local = r.out.out_of_band[k].data;
-    w.lkey = r.sources[k].lkey;
-    w.remote_addr = grant.regions(k).addr();
-    w.rkey = grant.regions(k).rkey();
-    w.length = grant.regions(k).length();
-    if (k + 1 == grant.regions_size()) w.immediate = grant.grant_id();
-    Status posted = conn_->Write(
-        w, [weak = std::weak_ptr<ClientEndpoint>(shared_from_this()),
-            call_id](Status s) {
-          auto ep = weak.lock();
-          if (!ep) return;
-          std::vector<Outcome> done;
-          {
-            std::lock_guard<std::mutex> lock(ep->mu_);
-            auto it = ep->calls_.find(call_id);
-            if (it == ep->calls_.end()) return;
-            ClientRecord& rec = *it->second;
-            --rec.writes_pending;
-            if (!s.ok() && !rec.deferred) rec.deferred = s;
-            if (rec.writes_pending == 0 && rec.deferred) {
-              ep->FinishLocked(call_id, *rec.deferred, &done);
-            }
-          }
-          ep->Complete(std::move(done));
-        });
-    if (!posted.ok()) break;  // closed: OnClosed fails the call
-    ++r.writes_pending;
-  }
   return absl::OkStatus();
 }
 

@@ -7,7 +7,6 @@
 #include <set>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "transport/rdma/connection_setup.h"
 #include "transport/rdma/engine.h"
@@ -303,51 +302,29 @@ void ServerEndpoint::Respond(uint64_t call_id, Status status,
 }
 
 Status ServerEndpoint::OnGrant(const FrameView& frame) {
-  Grant probe;
-  if (!probe.ParseFromArray(frame.head.data(),
-                            static_cast<int>(frame.head.size()))) {
-    return absl::InvalidArgumentError("grant head does not parse");
-  }
+  RDMARPC_ASSIGN_OR_RETURN(uint64_t call_id, GrantCallId(frame));
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = calls_.find(probe.call_id());
+  auto it = calls_.find(call_id);
   if (it == calls_.end() ||
       it->second->stage != ServerRecord::Stage::kAwaitResponseGrant) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "grant for call ", probe.call_id(), ", which expects none"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("grant for call ", call_id, ", which expects none"));
   }
   ServerRecord& r = *it->second;
-  RDMARPC_ASSIGN_OR_RETURN(Grant grant, ParseGrant(frame, r.sources.size()));
-  for (int k = 0; k < grant.regions_size(); ++k) {
-    if (grant.regions(k).length() != r.out.out_of_band[k].size) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("grant region ", k, " holds ", grant.regions(k).length(),
-                       " bytes for a part of ", r.out.out_of_band[k].size));
+  auto on_written = [weak = std::weak_ptr<ServerEndpoint>(shared_from_this()),
+                     call_id](Status) {
+    auto self = weak.lock();
+    if (!self) return;
+    std::lock_guard<std::mutex> lock(self->mu_);
+    auto it = self->calls_.find(call_id);
+    if (it != self->calls_.end() && --it->second->writes_pending == 0) {
+      self->ForgetLocked(call_id);
     }
-  }
+  };
+  RDMARPC_ASSIGN_OR_RETURN(
+      r.writes_pending,
+      WriteGrantedParts(frame, r.out, r.sources, conn_.get(), on_written));
   r.stage = ServerRecord::Stage::kWritingResponse;
-  uint64_t call_id = probe.call_id();
-  for (int k = 0; k < grant.regions_size(); ++k) {
-    Connection::WriteRequest w;
-    w.local = r.out.out_of_band[k].data;
-    w.lkey = r.sources[k].lkey;
-    w.remote_addr = grant.regions(k).addr();
-    w.rkey = grant.regions(k).rkey();
-    w.length = grant.regions(k).length();
-    if (k + 1 == grant.regions_size()) w.immediate = grant.grant_id();
-    Status posted = conn_->Write(
-        w, [weak = std::weak_ptr<ServerEndpoint>(shared_from_this()),
-            call_id](Status) {
-          auto self = weak.lock();
-          if (!self) return;
-          std::lock_guard<std::mutex> lock(self->mu_);
-          auto it = self->calls_.find(call_id);
-          if (it != self->calls_.end() && --it->second->writes_pending == 0) {
-            self->ForgetLocked(call_id);
-          }
-        });
-    if (!posted.ok()) break;
-    ++r.writes_pending;
-  }
   return absl::OkStatus();
 }
 
@@ -363,7 +340,7 @@ void ServerEndpoint::OnCancel(uint64_t call_id) {
   }
 }
 
-void ServerEndpoint::OnClosed(const Status& why) {
+void ServerEndpoint::OnClosed(const Status&) {
   std::shared_ptr<Connection> conn;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -376,9 +353,7 @@ void ServerEndpoint::OnClosed(const Status& why) {
     if (cache_) cache_->Clear();
     conn = std::move(conn_);
   }
-  if (absl::StrContains(why.message(), "broke the protocol")) {
-    shared_->protocol_errors.fetch_add(1);
-  }
+  if (conn && conn->broke_protocol()) shared_->protocol_errors.fetch_add(1);
   std::lock_guard<std::mutex> lock(shared_->mu);
   --shared_->endpoints_open;
   shared_->cv.notify_all();

@@ -15,8 +15,7 @@
 #include <thread>
 #include <vector>
 
-#include "e2e_test.rdmarpc.pb.h"
-#include "rdmarpc/rdmarpc.h"
+#include "e2e_fixture.h"
 #include "transport/grpc/grpc_client.h"
 #include "transport/rdma/connection_setup.h"
 #include "transport/rdma/rdma_client.h"
@@ -27,16 +26,6 @@ namespace {
 
 using rdmarpc::ClientContext;
 using rdmarpc::TensorBuffer;
-
-std::vector<uint8_t> Pattern(size_t n, uint32_t seed) {
-  std::vector<uint8_t> v(n);
-  uint32_t x = seed * 2654435761u + 1;
-  for (size_t i = 0; i < n; ++i) {
-    x = x * 1664525u + 1013904223u;
-    v[i] = static_cast<uint8_t>(x >> 24);
-  }
-  return v;
-}
 
 class Service final : public E2E::Service {
  public:
@@ -336,6 +325,20 @@ class RecordingHandler final : public rdmarpc::rdma::Connection::Handler {
   rdmarpc::Status closed_;
 };
 
+// A hand-built Echo request whose message declares one u8 tensor of 4096
+// bytes; the caller adds the tensor's part. `message` receives part 0.
+rdmarpc::rdma::RequestHead EchoHead(uint64_t call_id, std::string* message) {
+  EchoRequest msg;
+  msg.mutable_tensor()->set_dtype(rdmarpc::DTYPE_U8);
+  msg.mutable_tensor()->add_shape(4096);
+  *message = msg.SerializeAsString();
+  rdmarpc::rdma::RequestHead head;
+  head.set_call_id(call_id);
+  head.set_method("/rdmarpc_test.E2E/Echo");
+  head.add_parts()->set_size(message->size());
+  return head;
+}
+
 class ForgedPeerTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -406,14 +409,8 @@ TEST_F(ForgedPeerTest, WriteOutsideTheGrantFailsOnlyThatConnection) {
   auto conn = Connect(hello, hello.token(), handler);
   ASSERT_TRUE(conn.ok()) << conn.status();
   // A request for Echo with one 4096-byte tensor sent out of band.
-  EchoRequest msg;
-  msg.mutable_tensor()->set_dtype(rdmarpc::DTYPE_U8);
-  msg.mutable_tensor()->add_shape(4096);
-  std::string message = msg.SerializeAsString();
-  rdmarpc::rdma::RequestHead head;
-  head.set_call_id(1);
-  head.set_method("/rdmarpc_test.E2E/Echo");
-  head.add_parts()->set_size(message.size());
+  std::string message;
+  rdmarpc::rdma::RequestHead head = EchoHead(1, &message);
   auto* part = head.add_parts();
   part->set_out_of_band(true);
   part->set_size(4096);
@@ -480,15 +477,9 @@ TEST_F(ForgedPeerTest, DescriptorThatDisagreesWithTheMessageFailsTheCall) {
   auto conn = Connect(hello, hello.token(), handler);
   ASSERT_TRUE(conn.ok()) << conn.status();
   // The message says 4096 bytes of u8; the part says 10, inline.
-  EchoRequest msg;
-  msg.mutable_tensor()->set_dtype(rdmarpc::DTYPE_U8);
-  msg.mutable_tensor()->add_shape(4096);
-  std::string message = msg.SerializeAsString();
+  std::string message;
+  rdmarpc::rdma::RequestHead head = EchoHead(7, &message);
   std::string ten(10, 'z');
-  rdmarpc::rdma::RequestHead head;
-  head.set_call_id(7);
-  head.set_method("/rdmarpc_test.E2E/Echo");
-  head.add_parts()->set_size(message.size());
   head.add_parts()->set_size(ten.size());
   std::span<const uint8_t> parts[] = {
       {reinterpret_cast<const uint8_t*>(message.data()), message.size()},
