@@ -1,6 +1,8 @@
 #include "rdmarpc/channel.h"
 
+#include <algorithm>
 #include <memory>
+#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -31,16 +33,83 @@ StatusOr<TransportPolicy> ParsePolicy(std::string_view name) {
                                                  "' (use auto, rdma or grpc)"));
 }
 
+namespace {
+
+uint64_t RandomNonZero() {
+  std::random_device random;
+  uint64_t v = 0;
+  while (v == 0) v = (uint64_t{random()} << 32) | random();
+  return v;
+}
+
+}  // namespace
+
+const char* RdmaHealthName(RdmaHealth health) {
+  switch (health) {
+    case RdmaHealth::kNotTried:
+      return "not-tried";
+    case RdmaHealth::kConnecting:
+      return "connecting";
+    case RdmaHealth::kReady:
+      return "rdma-ready";
+    case RdmaHealth::kDegraded:
+      return "degraded";
+    case RdmaHealth::kGrpcOnly:
+      return "grpc-only";
+  }
+  return "unknown";
+}
+
+std::string ChannelTransportStats::ToString() const {
+  std::string out = absl::StrCat(
+      "state: ", RdmaHealthName(health), "\nrdma: ", rdma,
+      "\nswitches: ", switches,
+      "\nlast trigger: ", last_trigger.empty() ? "none" : last_trigger, "\n");
+  if (!last_error.empty())
+    absl::StrAppend(&out, "last error: ", last_error, "\n");
+  absl::StrAppend(&out, "probes: ", probes, "\n");
+  if (!last_probe_error.empty()) {
+    absl::StrAppend(&out, "last probe error: ", last_probe_error, "\n");
+  }
+  absl::StrAppend(&out, "calls: rdma ", calls_rdma, ", grpc ", calls_grpc,
+                  " (re-sent after an RDMA failure: ", calls_resent, ")\n",
+                  "rdma frames sent/received: ", rdma_frames_sent, "/",
+                  rdma_frames_received, ", writes: ", rdma_writes_posted,
+                  ", credit frames: ", rdma_credit_frames_sent,
+                  ", waits for credit: ", rdma_waits_for_credit, "\n");
+  return out;
+}
+
 Channel::Channel(std::string target, ChannelOptions options)
     : target_(std::move(target)),
       options_(options),
       grpc_(std::make_unique<grpc_transport::GrpcClientTransport>(target_,
-                                                                  options_)) {}
+                                                                  options_)),
+      client_id_(RandomNonZero()) {
+  if (options_.policy == TransportPolicy::kGrpc) {
+    health_ = RdmaHealth::kGrpcOnly;
+    rdma_reason_ = "policy 'grpc'";
+  }
+}
 
 Channel::~Channel() {
-  if (connector_.joinable()) connector_.join();
-  // Calls still on RDMA fail with UNAVAILABLE; then gRPC goes.
-  rdma_.reset();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (rdma_thread_.joinable()) rdma_thread_.join();
+  // Calls still on RDMA fail with UNAVAILABLE (not re-sent: the channel is
+  // going); then gRPC goes.
+  std::shared_ptr<rdma::RdmaClientTransport> rdma;
+  std::vector<std::shared_ptr<rdma::RdmaClientTransport>> retired;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    rdma = std::move(rdma_);
+    retired.swap(retired_);
+  }
+  rdma.reset();
+  retired.clear();
 }
 
 std::shared_ptr<Channel> CreateChannel(std::string target,
@@ -48,42 +117,142 @@ std::shared_ptr<Channel> CreateChannel(std::string target,
   return std::shared_ptr<Channel>(new Channel(std::move(target), options));
 }
 
-void Channel::ConnectRdma() {
-  auto connected = rdma::RdmaClientTransport::Connect(grpc_.get(), options_);
-  std::vector<internal::ClientCall> waiting;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (connected.ok()) {
-      rdma_ = *std::move(connected);
-      rdma_state_ = RdmaState::kReady;
-    } else {
-      rdma_state_ = RdmaState::kUnavailable;
-      rdma_reason_ = std::string(connected.status().message());
+StatusOr<std::shared_ptr<rdma::RdmaClientTransport>> Channel::ConnectRdma() {
+  rdma::RdmaClientHooks hooks;
+  hooks.client_id = client_id_;
+  hooks.reroute = [this](internal::ClientCall call, std::string why) {
+    SendOverGrpc(std::move(call), std::move(why));
+  };
+  // The transport is not known yet when the hook is made; it names itself
+  // through the connection it lost.
+  auto self = std::make_shared<const rdma::RdmaClientTransport*>(nullptr);
+  hooks.lost = [this, self](const Status& why, const std::string& trigger) {
+    OnRdmaLost(*self, why, trigger);
+  };
+  auto connected = rdma::RdmaClientTransport::Connect(grpc_.get(), options_,
+                                                      std::move(hooks));
+  if (!connected.ok()) return connected.status();
+  *self = connected->get();
+  return std::shared_ptr<rdma::RdmaClientTransport>(*std::move(connected));
+}
+
+void Channel::OnRdmaLost(const rdma::RdmaClientTransport* transport,
+                         const Status& why, const std::string& trigger) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (rdma_ == nullptr || rdma_.get() != transport) return;
+  // Not destroyed here: this runs on the engine thread, inside the
+  // transport's close; the RDMA thread drops it.
+  retired_.push_back(std::move(rdma_));
+  health_ = RdmaHealth::kDegraded;
+  ++counts_.switches;
+  counts_.last_trigger = trigger;
+  counts_.last_error = std::string(why.message());
+  rdma_reason_ =
+      absl::StrCat("RDMA connection lost: ", trigger, " (", why.message(), ")");
+  cv_.notify_all();
+}
+
+void Channel::RdmaLoop() {
+  std::mt19937_64 random(client_id_);
+  std::chrono::milliseconds backoff = options_.rdma_probe_initial_backoff;
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    if (!retired_.empty()) {
+      auto retired = std::move(retired_);
+      retired_.clear();
+      lock.unlock();
+      retired.clear();  // waits for their calls to be re-sent
+      lock.lock();
+      continue;
     }
-    waiting.swap(waiting_);
+    if (stopping_ && health_ != RdmaHealth::kConnecting) return;
+    if (health_ == RdmaHealth::kConnecting) {
+      lock.unlock();
+      auto connected = ConnectRdma();
+      lock.lock();
+      if (connected.ok()) {
+        rdma_ = *std::move(connected);
+        health_ = RdmaHealth::kReady;
+      } else {
+        rdma_reason_ = std::string(connected.status().message());
+        // No RDMA on a side is not going to change; anything else might.
+        if (connected.status().code() == StatusCode::kFailedPrecondition) {
+          health_ = RdmaHealth::kGrpcOnly;
+        } else {
+          health_ = RdmaHealth::kDegraded;
+          counts_.last_trigger = "connect failed";
+          counts_.last_error = rdma_reason_;
+        }
+      }
+      std::vector<internal::ClientCall> waiting;
+      waiting.swap(waiting_);
+      lock.unlock();
+      for (auto& call : waiting) Route(std::move(call));
+      lock.lock();
+      continue;
+    }
+    if (health_ != RdmaHealth::kDegraded) {
+      cv_.wait(lock, [this] {
+        return stopping_ || health_ == RdmaHealth::kDegraded ||
+               !retired_.empty();
+      });
+      backoff = options_.rdma_probe_initial_backoff;
+      continue;
+    }
+    std::uniform_real_distribution<double> jitter(0.75, 1.25);
+    auto wait = std::chrono::milliseconds(
+        static_cast<int64_t>(backoff.count() * jitter(random)));
+    if (cv_.wait_for(lock, wait, [this] { return stopping_; })) return;
+    lock.unlock();
+    auto connected = ConnectRdma();
+    lock.lock();
+    ++counts_.probes;
+    if (!connected.ok()) {
+      counts_.last_probe_error = std::string(connected.status().message());
+      backoff = std::min(backoff * 2, options_.rdma_probe_max_backoff);
+      continue;
+    }
+    if (stopping_) {
+      retired_.push_back(*std::move(connected));
+      continue;
+    }
+    rdma_ = *std::move(connected);
+    health_ = RdmaHealth::kReady;
+    ++counts_.switches;
+    rdma_reason_.clear();
+    backoff = options_.rdma_probe_initial_backoff;
   }
-  for (auto& call : waiting) Route(std::move(call));
 }
 
 ChannelTransportStats Channel::transport_stats() {
   ChannelTransportStats stats;
-  std::lock_guard<std::mutex> lock(mu_);
-  switch (rdma_state_) {
-    case RdmaState::kUnknown:
-      stats.rdma = "not tried yet";
-      break;
-    case RdmaState::kConnecting:
-      stats.rdma = "connecting";
-      break;
-    case RdmaState::kUnavailable:
-      stats.rdma = rdma_reason_;
-      break;
-    case RdmaState::kReady:
-      stats.rdma = absl::StrCat("ready: ", rdma_->description());
-      break;
+  std::shared_ptr<rdma::RdmaClientTransport> rdma;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats = counts_;
+    stats.health = health_;
+    rdma = rdma_;
+    switch (health_) {
+      case RdmaHealth::kNotTried:
+        stats.rdma = "not tried yet";
+        break;
+      case RdmaHealth::kConnecting:
+        stats.rdma = "connecting";
+        break;
+      case RdmaHealth::kReady:
+        stats.rdma = absl::StrCat("ready: ", rdma_->description());
+        break;
+      case RdmaHealth::kDegraded:
+      case RdmaHealth::kGrpcOnly:
+        stats.rdma = rdma_reason_;
+        break;
+    }
   }
-  if (rdma_) {
-    rdma::Connection::Counters c = rdma_->counters();
+  stats.calls_rdma = calls_rdma_.load();
+  stats.calls_grpc = calls_grpc_.load();
+  stats.calls_resent = calls_resent_.load();
+  if (rdma) {
+    rdma::Connection::Counters c = rdma->counters();
     stats.rdma_frames_sent = c.frames_sent;
     stats.rdma_frames_received = c.frames_received;
     stats.rdma_writes_posted = c.writes_posted;
@@ -93,51 +262,70 @@ ChannelTransportStats Channel::transport_stats() {
   return stats;
 }
 
-void Channel::Route(internal::ClientCall call) {
+void Channel::SendOverGrpc(internal::ClientCall call, std::string why) {
   CallStats* stats = call.ctx->mutable_stats();
-  internal::ClientTransport* transport = grpc_.get();
+  const bool resend = call.resend.has_value();
+  if (options_.policy == TransportPolicy::kRdma) {
+    stats->transport_reason = why;
+    auto done = std::move(call.done);
+    done(absl::UnavailableError(
+        absl::StrCat("call ", call.method,
+                     resend ? " failed: policy 'rdma' and "
+                            : " not sent: policy 'rdma' and ",
+                     why, resend ? " (it may have run on the server)" : "")));
+    return;
+  }
+  stats->transport = TransportKind::kGrpc;
+  ++calls_grpc_;
   if (options_.policy == TransportPolicy::kGrpc) {
-    stats->transport_reason = "policy 'grpc'";
+    stats->transport_reason = why;
   } else {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (rdma_state_ == RdmaState::kReady) {
-      Status health = rdma_->health();
-      if (health.ok()) {
-        transport = rdma_.get();
-      } else {
-        rdma_state_ = RdmaState::kUnavailable;
-        rdma_reason_ =
-            absl::StrCat("RDMA connection lost (", health.message(), ")");
+    if (resend) ++calls_resent_;
+    stats->transport_reason =
+        absl::StrCat("policy 'auto': ", why, "; gRPC carries the call");
+    // A call that fails on gRPC too says what was tried.
+    call.done = [done = std::move(call.done), why,
+                 resend](Status status) mutable {
+      if (status.code() == StatusCode::kUnavailable) {
+        status = absl::UnavailableError(absl::StrCat(
+            status.message(),
+            resend ? " [tried RDMA first: " : " [RDMA not used: ", why,
+            "; then gRPC]"));
       }
-    }
-    switch (rdma_state_) {
-      case RdmaState::kUnknown:
-        rdma_state_ = RdmaState::kConnecting;
-        if (connector_.joinable()) connector_.join();
-        connector_ = std::thread([this] { ConnectRdma(); });
+      done(std::move(status));
+    };
+  }
+  grpc_->Start(std::move(call));
+}
+
+void Channel::Route(internal::ClientCall call) {
+  std::shared_ptr<rdma::RdmaClientTransport> rdma;
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    switch (health_) {
+      case RdmaHealth::kNotTried:
+        health_ = RdmaHealth::kConnecting;
+        rdma_thread_ = std::thread([this] { RdmaLoop(); });
         [[fallthrough]];
-      case RdmaState::kConnecting:
+      case RdmaHealth::kConnecting:
         waiting_.push_back(std::move(call));
         return;
-      case RdmaState::kReady:
+      case RdmaHealth::kReady:
+        rdma = rdma_;
         break;
-      case RdmaState::kUnavailable:
-        if (options_.policy == TransportPolicy::kRdma) {
-          stats->transport_reason = rdma_reason_;
-          lock.unlock();
-          auto done = std::move(call.done);
-          done(absl::UnavailableError(absl::StrCat(
-              "call ", call.method, " not sent: policy 'rdma' and ",
-              stats->transport_reason)));
-          return;
-        }
-        stats->transport_reason = absl::StrCat("policy 'auto': ", rdma_reason_,
-                                               "; gRPC carries the call");
+      case RdmaHealth::kDegraded:
+        why = absl::StrCat(rdma_reason_, "; RDMA is being probed");
+        break;
+      case RdmaHealth::kGrpcOnly:
+        why = rdma_reason_;
         break;
     }
   }
-  stats->transport = transport->kind();
-  transport->Start(std::move(call));
+  if (!rdma) return SendOverGrpc(std::move(call), std::move(why));
+  ++calls_rdma_;
+  call.ctx->mutable_stats()->transport = TransportKind::kRdma;
+  rdma->Start(std::move(call));
 }
 
 void Channel::CallAsync(std::string_view method, ClientContext* ctx,

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <exception>
+#include <random>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/call_log.h"
 #include "runtime/thread_pool.h"
 #include "runtime/transport.h"
 #include "transport/grpc/grpc_server.h"
@@ -44,6 +46,7 @@ class ServerDispatcher final : public Dispatcher {
       : methods_(std::move(methods)),
         max_request_tensor_bytes_(max_request_tensor_bytes),
         run_inline_(run_inline),
+        log_(CallLog::Options{}, RandomInstance()),
         pool_(run_inline ? 1 : workers) {}
 
   const ServerMethod* Find(std::string_view path) const override {
@@ -58,6 +61,15 @@ class ServerDispatcher final : public Dispatcher {
   void Execute(std::shared_ptr<ServerCallState> state,
                std::shared_ptr<google::protobuf::Message> request,
                Completion done) override {
+    if (state->client_id != 0) {
+      state->logged = true;
+      if (!log_.Admit(state, done)) return;
+      done = [this, state, done = std::move(done)](
+                 Status s, std::unique_ptr<google::protobuf::Message> r) {
+        log_.Finished(*state, s, r.get());
+        done(std::move(s), std::move(r));
+      };
+    }
     auto task = [state = std::move(state), request = std::move(request),
                  done = std::move(done)] {
       if (state->cancelled.load()) {
@@ -88,10 +100,32 @@ class ServerDispatcher final : public Dispatcher {
     }
   }
 
+  void Delivered(const ServerCallState& state) override {
+    if (state.logged) log_.Delivered(state);
+  }
+  void Undelivered(
+      std::shared_ptr<ServerCallState> state, Status status,
+      std::unique_ptr<google::protobuf::Message> response) override {
+    if (state->logged) {
+      log_.Undelivered(std::move(state), std::move(status),
+                       std::move(response));
+    }
+  }
+  uint64_t server_instance() const override { return log_.server_instance(); }
+  CallLog::Stats call_log_stats() { return log_.stats(); }
+
  private:
+  static uint64_t RandomInstance() {
+    std::random_device random;
+    uint64_t v = 0;
+    while (v == 0) v = (uint64_t{random()} << 32) | random();
+    return v;
+  }
+
   absl::flat_hash_map<std::string, ServerMethod> methods_;
   uint64_t max_request_tensor_bytes_;
   bool run_inline_;
+  CallLog log_;
   ThreadPool pool_;
 };
 
@@ -139,6 +173,11 @@ ServerBuilder& ServerBuilder::EnableRdma(bool enable) {
 
 ServerBuilder& ServerBuilder::SetRdmaReceives(uint32_t receives) {
   rdma_receives_ = receives;
+  return *this;
+}
+
+ServerBuilder& ServerBuilder::SetRdmaLandingPoolBytes(uint64_t bytes) {
+  rdma_landing_pool_bytes_ = bytes;
   return *this;
 }
 
@@ -204,6 +243,7 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
   if (rdma_) {
     rdma::RdmaServerOptions options;
     options.receives = rdma_receives_;
+    options.landing_pool_bytes = rdma_landing_pool_bytes_;
     auto started =
         rdma::RdmaServerTransport::Start(server->dispatcher_.get(), options);
     if (started.ok()) {
@@ -265,7 +305,16 @@ void Server::Shutdown(std::chrono::system_clock::time_point deadline) {
   cv_.notify_all();
 }
 
-RdmaServerStats Server::rdma_stats() const { return rdma_stats_(); }
+RdmaServerStats Server::rdma_stats() const {
+  RdmaServerStats stats = rdma_stats_();
+  if (auto* d = static_cast<internal::ServerDispatcher*>(dispatcher_.get())) {
+    internal::CallLog::Stats log = d->call_log_stats();
+    stats.calls_logged = log.records;
+    stats.repeats_answered = log.repeats_answered;
+    stats.repeats_refused = log.repeats_refused;
+  }
+  return stats;
+}
 
 void Server::Wait() {
   std::unique_lock<std::mutex> lock(mu_);

@@ -32,6 +32,15 @@ struct ClientCall {
   google::protobuf::Message* response = nullptr;
   uint64_t call_id = 0;
   uint64_t max_response_tensor_bytes = 0;
+  // Set when the call is re-sent after the transport that first carried it
+  // failed with the request possibly executed; the server runs it at most
+  // once per (client_id, call_id).
+  struct Resend {
+    uint64_t client_id = 0;
+    uint64_t server_instance = 0;
+    std::chrono::steady_clock::time_point first_sent;
+  };
+  std::optional<Resend> resend;
   std::function<void(Status)> done;
 };
 
@@ -59,6 +68,20 @@ class ServerCallState {
   TransportKind transport() const { return transport_; }
   std::string peer;
   uint64_t call_id = 0;
+  // Non-zero for calls the client may re-send (every RDMA call, and the
+  // re-sends themselves): the dispatcher runs them at most once per
+  // (client_id, call_id); see call_log.h.
+  uint64_t client_id = 0;
+  // Set on a re-send: the server instance the call was first sent to, and
+  // how long before this arrival.
+  struct Resend {
+    uint64_t server_instance = 0;
+    std::chrono::milliseconds age{0};
+  };
+  std::optional<Resend> resend;
+  // Set by the dispatcher when the call went through its call log; the
+  // transport then reports the response's fate (Dispatcher::Delivered).
+  bool logged = false;
   std::optional<std::chrono::system_clock::time_point> deadline;
   std::multimap<std::string, std::string> client_metadata;
   CallTensors tensors;
@@ -82,9 +105,20 @@ class Dispatcher {
   // the call was cancelled before a worker picked it up.
   using Completion = std::function<void(
       Status, std::unique_ptr<google::protobuf::Message> response)>;
+  // A call with a client_id whose handler already ran (or is running) is
+  // not run again: `done` gets that run's outcome, or UNAVAILABLE.
   virtual void Execute(std::shared_ptr<ServerCallState> state,
                        std::shared_ptr<google::protobuf::Message> request,
                        Completion done) = 0;
+  // For calls with a client_id, once the transport knows the response's
+  // fate: it reached the client, or it could not be delivered (kept for a
+  // re-send, with the state whose tensors it refers to).
+  virtual void Delivered(const ServerCallState& state) = 0;
+  virtual void Undelivered(
+      std::shared_ptr<ServerCallState> state, Status status,
+      std::unique_ptr<google::protobuf::Message> response) = 0;
+  // Random per server start; the RDMA handshake hands it to clients.
+  virtual uint64_t server_instance() const = 0;
 };
 
 class ServerTransport {

@@ -2,6 +2,11 @@
 // sizes and prints, per call, the transport that carried it and why.
 //
 //   hello_tensor_client [--target=localhost:50051] [--policy=auto|rdma|grpc]
+//                       [--verbose]
+//
+// --verbose also prints the channel's transport health at the end: its
+// state, switches between RDMA and gRPC, the last trigger and calls per
+// transport.
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -13,15 +18,19 @@
 int main(int argc, char** argv) {
   std::string target = "localhost:50051";
   std::string policy_name = "auto";
+  bool verbose = false;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg.rfind("--target=", 0) == 0) {
       target = arg.substr(9);
     } else if (arg.rfind("--policy=", 0) == 0) {
       policy_name = arg.substr(9);
+    } else if (arg == "--verbose") {
+      verbose = true;
     } else {
       std::cerr << "usage: " << argv[0]
-                << " [--target=host:port] [--policy=auto|rdma|grpc]\n";
+                << " [--target=host:port] [--policy=auto|rdma|grpc]"
+                   " [--verbose]\n";
       return 2;
     }
   }
@@ -32,8 +41,8 @@ int main(int argc, char** argv) {
   }
   rdmarpc::ChannelOptions options;
   options.policy = *policy;
-  auto stub =
-      hello::TensorService::NewStub(rdmarpc::CreateChannel(target, options));
+  auto channel = rdmarpc::CreateChannel(target, options);
+  auto stub = hello::TensorService::NewStub(channel);
 
   int failures = 0;
   int call = 0;
@@ -82,5 +91,9 @@ int main(int argc, char** argv) {
       std::printf("  server said: %s\n", resp.greeting().c_str());
   }
   std::printf("%d calls, %d failed\n", call, failures);
+  if (verbose) {
+    std::printf("channel transport health:\n%s",
+                channel->transport_stats().ToString().c_str());
+  }
   return failures == 0 ? 0 : 1;
 }

@@ -73,6 +73,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case FrameType::kCredit:
       if (!frame->head.empty()) std::abort();
       break;
+    case FrameType::kPing:
+    case FrameType::kPong:
+      if (ParsePing(*frame).ok() && !frame->inline_bytes.empty()) std::abort();
+      break;
   }
   return 0;
 }
@@ -100,9 +104,12 @@ std::vector<std::string> FuzzSeeds() {
   region->set_length(1 << 20);
   Cancel cancel;
   cancel.set_call_id(1);
+  Ping ping;
+  ping.set_sequence(3);
   return {Encode(FrameType::kRequest, &request, "abc"),
           Encode(FrameType::kResponse, &response, "hi"),
           Encode(FrameType::kGrant, &grant, ""),
           Encode(FrameType::kCancel, &cancel, ""),
-          Encode(FrameType::kCredit, nullptr, "")};
+          Encode(FrameType::kCredit, nullptr, ""),
+          Encode(FrameType::kPing, &ping, "")};
 }

@@ -72,6 +72,13 @@ class ClientCallReactor final
 
     gctx_.AddMetadata(kFramingKey, kFramingLean);
     gctx_.AddMetadata(kCallIdKey, absl::StrCat(call_.call_id));
+    if (call_.resend) {
+      auto age = std::chrono::duration_cast<std::chrono::milliseconds>(
+          std::chrono::steady_clock::now() - call_.resend->first_sent);
+      gctx_.AddMetadata(kResendKey, absl::StrCat(call_.resend->client_id, ".",
+                                                 call_.resend->server_instance,
+                                                 ".", age.count()));
+    }
     for (const auto& [k, v] : ctx->metadata()) gctx_.AddMetadata(k, v);
     if (ctx->deadline()) gctx_.set_deadline(*ctx->deadline());
     canceller_ = std::make_shared<GrpcCanceller>(&gctx_);
@@ -198,6 +205,11 @@ GrpcClientTransport::GrpcClientTransport(const std::string& target,
         // Tensors travel in chunks, but a plain message may still be large.
         args.SetMaxReceiveMessageSize(-1);
         args.SetMaxSendMessageSize(-1);
+        // gRPC is the fallback: after a server restart it must come back in
+        // seconds, not after gRPC's default backoff of up to 120 s.
+        args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+        args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+        args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
         return grpc::CreateCustomChannel(
             target, grpc::InsecureChannelCredentials(), args);
       }()),

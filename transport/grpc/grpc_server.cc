@@ -11,6 +11,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "runtime/codec.h"
 #include "runtime/tensor_walk.h"
 #include "transport/grpc/lean_codec.h"
@@ -52,6 +53,12 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
                            "' (this server speaks ", kFramingLean, ")")));
         }
         lean_ = true;
+      } else if (key == kResendKey) {
+        if (!ParseResend(value)) {
+          return FinishOnce(absl::InvalidArgumentError(
+              absl::StrCat("malformed ", kResendKey, " '", value,
+                           "' (want client.instance.age_ms)")));
+        }
       } else if (key == kCallIdKey) {
         if (!absl::SimpleAtoi(value, &state_->call_id)) {
           return FinishOnce(absl::InvalidArgumentError(
@@ -97,9 +104,30 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
     if (state_) state_->cancelled.store(true);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    // A logged call (a re-send) whose response went out: its record no
+    // longer needs to keep the response.
+    if (sent_response_ && state_ && state_->logged) {
+      dispatcher_->Delivered(*state_);
+    }
+    delete this;
+  }
 
  private:
+  bool ParseResend(const std::string& value) {
+    std::vector<absl::string_view> fields = absl::StrSplit(value, '.');
+    uint64_t client = 0, instance = 0, age = 0;
+    if (fields.size() != 3 || !absl::SimpleAtoi(fields[0], &client) ||
+        !absl::SimpleAtoi(fields[1], &instance) ||
+        !absl::SimpleAtoi(fields[2], &age) || client == 0) {
+      return false;
+    }
+    state_->client_id = client;
+    state_->resend = internal::ServerCallState::Resend{
+        instance, std::chrono::milliseconds(age)};
+    return true;
+  }
+
   StatusOr<std::vector<TensorBuffer>> OnHead(const LeanHead& head) {
     if (head.call_id() != 0) state_->call_id = head.call_id();
     RDMARPC_ASSIGN_OR_RETURN(
@@ -186,6 +214,7 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
     std::lock_guard<std::mutex> lock(mu_);
     if (finished_) return;
     finished_ = true;
+    sent_response_ = true;
     StartWriteAndFinish(&write_buf_, grpc::WriteOptions(), grpc::Status::OK);
   }
 
@@ -198,6 +227,7 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
       std::lock_guard<std::mutex> lock(mu_);
       if (finished_) return;
       finished_ = true;
+      sent_response_ = true;
       StartWriteAndFinish(&write_buf_, grpc::WriteOptions(), grpc::Status::OK);
       return;
     }
@@ -215,6 +245,7 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
       std::lock_guard<std::mutex> lock(mu_);
       if (finished_) return;
       finished_ = true;
+      sent_response_ = s.ok();
     }
     Finish(ToGrpc(s));
   }
@@ -231,6 +262,7 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
   grpc::ByteBuffer write_buf_;
   std::mutex mu_;
   bool finished_ = false;
+  bool sent_response_ = false;  // guarded by mu_ until OnDone
 };
 
 // A runtime method: one request message in, one response message out.

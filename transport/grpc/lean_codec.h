@@ -27,6 +27,9 @@ inline constexpr uint32_t kLeanVersion = 1;
 inline constexpr char kFramingKey[] = "rdmarpc-framing";
 inline constexpr char kFramingLean[] = "lean-1";
 inline constexpr char kCallIdKey[] = "rdmarpc-call-id";
+// On a call re-sent after its RDMA connection failed:
+// "<client id>.<server instance>.<ms since first sent>" (see call_log.h).
+inline constexpr char kResendKey[] = "rdmarpc-resend";
 
 // Builds the head for `serialized_message` and `plan`.
 LeanHead MakeHead(std::string serialized_message,

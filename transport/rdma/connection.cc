@@ -75,8 +75,10 @@ Status Connection::PostReceive(uint32_t index) {
 
 Status Connection::SendFrame(
     FrameType type, const google::protobuf::MessageLite* head,
-    std::span<const std::span<const uint8_t>> inline_parts) {
+    std::span<const std::span<const uint8_t>> inline_parts,
+    std::function<void(Status)> sent) {
   PendingFrame frame;
+  frame.sent = std::move(sent);
   size_t inline_bytes = 0;
   for (const auto& p : inline_parts) inline_bytes += p.size();
   size_t head_bytes = head == nullptr ? 0 : head->ByteSizeLong();
@@ -102,7 +104,7 @@ Status Connection::SendFrame(
     frames_.push_back(std::move(frame));
     pumped = PumpLocked();
   }
-  if (!pumped.ok()) Close(pumped);
+  if (!pumped.ok()) Close(pumped, "post error");
   return absl::OkStatus();
 }
 
@@ -118,12 +120,11 @@ Status Connection::Write(const WriteRequest& request,
     writes_.push_back(PendingWrite{request, 0, std::move(done)});
     pumped = PumpLocked();
   }
-  if (!pumped.ok()) Close(pumped);
+  if (!pumped.ok()) Close(pumped, "post error");
   return absl::OkStatus();
 }
 
-Status Connection::PostFrameLocked(const PendingFrame& frame,
-                                   bool credit_only) {
+Status Connection::PostFrameLocked(PendingFrame& frame, bool credit_only) {
   int buffer = free_send_buffers_.back();
   uint8_t* dst =
       res_.send_buffers.get() +
@@ -147,7 +148,7 @@ Status Connection::PostFrameLocked(const PendingFrame& frame,
   int rc = ibv_post_send(res_.qp.get(), &wr, &bad);
   if (rc != 0) return VerbsError("ibv_post_send (frame)", rc);
   free_send_buffers_.pop_back();
-  posted_.emplace(wr.wr_id, Posted{buffer, nullptr});
+  posted_.emplace(wr.wr_id, Posted{buffer, std::move(frame.sent)});
   ++counters_.frames_sent;
   if (credit_only) ++counters_.credit_frames_sent;
   return absl::OkStatus();
@@ -247,7 +248,8 @@ void Connection::ConsumeEvents() {
 }
 
 void Connection::Fail(const std::string& what) {
-  Close(absl::UnavailableError(absl::StrCat("RDMA connection failed: ", what)));
+  Close(absl::UnavailableError(absl::StrCat("RDMA connection failed: ", what)),
+        "work-completion error");
 }
 
 void Connection::HandleCompletion(const ibv_wc& wc) {
@@ -272,6 +274,9 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
     return;
   }
   if (wc.wr_id & kReceiveBit) {
+    last_heard_.store(
+        std::chrono::steady_clock::now().time_since_epoch().count(),
+        std::memory_order_relaxed);
     uint32_t index = static_cast<uint32_t>(wc.wr_id & ~kReceiveBit);
     Status handled;
     if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
@@ -296,9 +301,10 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
     }
     if (!handled.ok()) {
       broke_protocol_.store(true);
-      Close(absl::UnavailableError(
-          absl::StrCat("RDMA connection closed: the peer broke the protocol: ",
-                       handled.message())));
+      Close(absl::UnavailableError(absl::StrCat(
+                "RDMA connection closed: the peer broke the protocol: ",
+                handled.message())),
+            "protocol error");
       return;
     }
     Status s;
@@ -309,7 +315,7 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
       if (s.ok()) s = window_.OnReceiveReposted();
       if (s.ok()) s = PumpLocked();
     }
-    if (!s.ok()) Close(s);
+    if (!s.ok()) Close(s, "post error");
     return;
   }
   std::function<void(Status)> done;
@@ -327,7 +333,7 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
     if (s.ok() && !closed_.load()) s = PumpLocked();
   }
   if (done) done(absl::OkStatus());
-  if (!s.ok()) Close(s);
+  if (!s.ok()) Close(s, "post error");
 }
 
 Status Connection::CloseReason() const {
@@ -336,10 +342,16 @@ Status Connection::CloseReason() const {
                             : close_reason_;
 }
 
-void Connection::Close(Status why) {
+std::string Connection::close_trigger() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return close_trigger_;
+}
+
+void Connection::Close(Status why, const char* trigger) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_.exchange(true)) return;
+    close_trigger_ = trigger;
     close_reason_ = why.ok() ? absl::UnavailableError("RDMA connection closed")
                              : std::move(why);
     // Tells the peer; the engine tears the queue pair down.
@@ -348,8 +360,22 @@ void Connection::Close(Status why) {
   Engine::Get().Wake();
 }
 
+Status Connection::InjectQueuePairError() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (res_.qp.get() == nullptr) return absl::OkStatus();
+  ibv_qp_attr attr{};
+  attr.qp_state = IBV_QPS_ERR;
+  int rc = ibv_modify_qp(res_.qp.get(), &attr, IBV_QP_STATE);
+  if (rc != 0) return VerbsError("ibv_modify_qp to the error state", rc);
+  return absl::OkStatus();
+}
+
 void Connection::FinishClose() {
   if (finished_) return;
+  // What completed before the close still counts: a response that arrived
+  // must not be re-sent by the client or reported lost by the server.
+  for (int rounds = 0; rounds < 64 && Poll(); ++rounds) {
+  }
   finished_ = true;
   std::vector<std::function<void(Status)>> pending;
   Status why = CloseReason();
@@ -366,6 +392,9 @@ void Connection::FinishClose() {
       if (w.done) pending.push_back(std::move(w.done));
     }
     writes_.clear();
+    for (auto& f : frames_) {
+      if (f.sent) pending.push_back(std::move(f.sent));
+    }
     frames_.clear();
   }
   ConsumeEvents();

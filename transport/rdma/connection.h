@@ -24,6 +24,7 @@
 #define RDMARPC_TRANSPORT_RDMA_CONNECTION_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -105,11 +106,15 @@ class Connection : public std::enable_shared_from_this<Connection> {
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
 
-  // Queues a frame. UNAVAILABLE once the connection is closed;
-  // RESOURCE_EXHAUSTED if it does not fit the peer's receive buffers.
+  // Queues a frame (its bytes are copied now). UNAVAILABLE once the
+  // connection is closed; RESOURCE_EXHAUSTED if it does not fit the peer's
+  // receive buffers. `sent`, if given, runs once on the engine thread: OK
+  // when the frame reached the peer's receive (RC acknowledged), else the
+  // error that closed the connection; never when this returns an error.
   [[nodiscard]] Status SendFrame(
       FrameType type, const google::protobuf::MessageLite* head,
-      std::span<const std::span<const uint8_t>> inline_parts = {});
+      std::span<const std::span<const uint8_t>> inline_parts = {},
+      std::function<void(Status)> sent = nullptr);
 
   // Queues a write. `done` runs once on the engine thread when every piece
   // completed (OK) or the connection failed (the error); the memory at
@@ -118,16 +123,29 @@ class Connection : public std::enable_shared_from_this<Connection> {
   [[nodiscard]] Status Write(const WriteRequest& request,
                              std::function<void(Status)> done);
 
-  // Closes the connection (any thread, any number of times): the peer is
-  // told, queued and posted work fails with `why`, Handler::OnClosed runs.
-  void Close(Status why);
+  // Closes the connection (any thread, any number of times; the first
+  // wins): the peer is told, queued and posted work fails with `why`,
+  // Handler::OnClosed runs. `trigger` names the cause in a few words for
+  // the channel's health report ("work-completion error", "port error").
+  void Close(Status why, const char* trigger = "connection closed");
+  // The first Close's trigger.
+  std::string close_trigger() const;
   bool closed() const { return closed_.load(); }
   // Whether a malformed frame or a Handler error closed it.
   bool broke_protocol() const { return broke_protocol_.load(); }
+  // When the last frame or write from the peer arrived (steady clock).
+  std::chrono::steady_clock::time_point last_heard() const {
+    return std::chrono::steady_clock::time_point(
+        std::chrono::steady_clock::duration(last_heard_.load()));
+  }
+  // Fault injection: moves the queue pair to the error state, as a fatal
+  // device error would; posted work then completes with flush errors.
+  Status InjectQueuePairError();
 
   // Bytes a frame may take at most (the peer's receive size).
   size_t max_frame_bytes() const { return config_.peer_receive_bytes; }
   ibv_pd* pd() const { return res_.pd.get(); }
+  ibv_cq* cq() const { return res_.cq.get(); }
   rdma_cm_id* cm_id() const { return res_.id.get(); }
   rdma_event_channel* cm_events() const { return res_.events.get(); }
   const ConnectionConfig& config() const { return config_; }
@@ -165,6 +183,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   struct PendingFrame {
     std::vector<uint8_t> bytes;
+    std::function<void(Status)> sent;
   };
   struct PendingWrite {
     WriteRequest request;
@@ -181,7 +200,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Posts what the window allows. Requires mu_; an error means the queue
   // pair is broken and the caller closes the connection.
   Status PumpLocked();
-  Status PostFrameLocked(const PendingFrame& frame, bool credit_only);
+  Status PostFrameLocked(PendingFrame& frame, bool credit_only);
   Status PostWritePieceLocked(PendingWrite& write, bool* finished);
   Status CloseReason() const;
   void HandleCompletion(const ibv_wc& wc);
@@ -192,6 +211,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::shared_ptr<Handler> handler_;
   std::atomic<bool> closed_{false};
   std::atomic<bool> broke_protocol_{false};
+  std::atomic<std::chrono::steady_clock::rep> last_heard_{
+      std::chrono::steady_clock::now().time_since_epoch().count()};
   bool finished_ = false;  // engine thread only
 
   mutable std::mutex mu_;
@@ -202,6 +223,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::unordered_map<uint64_t, Posted> posted_;
   uint64_t next_wr_id_ = 1;
   Status close_reason_;
+  const char* close_trigger_ = "";
   Counters counters_;
 };
 

@@ -1,5 +1,6 @@
 #include "transport/rdma/engine.h"
 
+#include <fcntl.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -8,11 +9,16 @@
 #include <cstdlib>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "transport/rdma/connection.h"
 #include "transport/rdma/verbs.h"
 
 namespace rdmarpc::rdma {
 namespace {
+
+// epoll data: 0 is the wake eventfd, a pointer with the low bit set a
+// device's async event fd, any other pointer a Connection.
+constexpr uint64_t kDeviceTag = 1;
 
 std::chrono::microseconds SpinFromEnvironment() {
   const char* env = std::getenv("RDMARPC_RDMA_SPIN_US");
@@ -51,6 +57,19 @@ Status Engine::Add(std::shared_ptr<Connection> conn) {
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
+    ibv_context* device = conn->cm_id()->verbs;
+    if (device != nullptr && !watched_devices_.contains(device)) {
+      int flags = fcntl(device->async_fd, F_GETFL);
+      epoll_event dev{};
+      dev.events = EPOLLIN;
+      dev.data.u64 = reinterpret_cast<uintptr_t>(device) | kDeviceTag;
+      bool watched =
+          flags >= 0 &&
+          fcntl(device->async_fd, F_SETFL, flags | O_NONBLOCK) == 0 &&
+          epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, device->async_fd, &dev) == 0;
+      watched_devices_[device] = watched;
+    }
+    live_.push_back(conn);
     added_.push_back(std::move(conn));
   }
   Wake();
@@ -62,10 +81,98 @@ void Engine::Wake() {
   (void)!write(wake_fd_, &one, sizeof(one));
 }
 
+void Engine::ReadAsyncEvents(ibv_context* device) {
+  ibv_async_event event;
+  while (ibv_get_async_event(device, &event) == 0) {
+    HandleAsyncEvent(device, event);
+    bool fatal = event.event_type == IBV_EVENT_DEVICE_FATAL;
+    ibv_ack_async_event(&event);
+    if (fatal) {
+      // The fd stays readable on a dead device; stop watching it.
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = watched_devices_.find(device);
+      if (it != watched_devices_.end() && it->second) {
+        epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, device->async_fd, nullptr);
+        it->second = false;
+      }
+      return;
+    }
+  }
+}
+
+void Engine::HandleAsyncEvent(ibv_context* device,
+                              const ibv_async_event& event) {
+  std::string name = ibv_get_device_name(device->device);
+  std::vector<std::shared_ptr<Connection>> hit;
+  const char* trigger = nullptr;
+  std::string what;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& weak : live_) {
+      auto c = weak.lock();
+      if (!c || c->cm_id()->verbs != device) continue;
+      switch (event.event_type) {
+        case IBV_EVENT_QP_FATAL:
+        case IBV_EVENT_QP_REQ_ERR:
+        case IBV_EVENT_QP_ACCESS_ERR:
+          if (c->cm_id()->qp == event.element.qp) hit.push_back(c);
+          trigger = "QP fatal event";
+          break;
+        case IBV_EVENT_CQ_ERR:
+          if (c->cq() == event.element.cq) hit.push_back(c);
+          trigger = "CQ error event";
+          break;
+        case IBV_EVENT_PORT_ERR:
+          if (c->cm_id()->port_num == event.element.port_num) {
+            hit.push_back(c);
+          }
+          trigger = "port error event";
+          what = absl::StrCat(" (port ", event.element.port_num, ")");
+          break;
+        case IBV_EVENT_DEVICE_FATAL:
+          hit.push_back(c);
+          trigger = "device fatal event";
+          break;
+        default:
+          break;
+      }
+    }
+  }
+  for (auto& c : hit) {
+    c->Close(absl::UnavailableError(
+                 absl::StrCat("RDMA device ", name, " reported ",
+                              ibv_event_type_str(event.event_type), what)),
+             trigger);
+  }
+}
+
+void Engine::ReleaseDevicesLocked() {
+  std::map<ibv_context*, int> users;
+  for (auto it = live_.begin(); it != live_.end();) {
+    auto c = it->lock();
+    if (!c || c->closed()) {
+      it = live_.erase(it);
+      continue;
+    }
+    ++users[c->cm_id()->verbs];
+    ++it;
+  }
+  for (auto it = watched_devices_.begin(); it != watched_devices_.end();) {
+    if (users.contains(it->first)) {
+      ++it;
+      continue;
+    }
+    if (it->second) {
+      epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, it->first->async_fd, nullptr);
+    }
+    it = watched_devices_.erase(it);
+  }
+}
+
 void Engine::Loop() {
   std::vector<std::shared_ptr<Connection>> conns;
   auto last_progress = std::chrono::steady_clock::now();
-  epoll_event events[64];
+  auto last_events = last_progress;
   while (true) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -82,12 +189,19 @@ void Engine::Loop() {
         c->FinishClose();
         conns[i] = std::move(conns.back());
         conns.pop_back();
+        std::lock_guard<std::mutex> lock(mu_);
+        ReleaseDevicesLocked();
         continue;
       }
       busy = busy || c->Busy();
       ++i;
     }
     auto now = std::chrono::steady_clock::now();
+    // Busy or not, async events (a port going down) must not wait long.
+    if (now - last_events >= std::chrono::milliseconds(1)) {
+      last_events = now;
+      HandleEpoll(0);
+    }
     if (progress) {
       last_progress = now;
       continue;
@@ -97,16 +211,24 @@ void Engine::Loop() {
     for (auto& c : conns) c->Arm();
     for (auto& c : conns) progress |= c->Poll();
     if (progress) continue;
-    int n = epoll_wait(epoll_fd_, events, 64, -1);
-    for (int i = 0; i < n; ++i) {
-      if (events[i].data.ptr == nullptr) {
-        uint64_t count;
-        (void)!read(wake_fd_, &count, sizeof(count));
-        continue;
-      }
+    HandleEpoll(-1);
+    last_progress = std::chrono::steady_clock::now();
+  }
+}
+
+void Engine::HandleEpoll(int timeout_ms) {
+  epoll_event events[64];
+  int n = epoll_wait(epoll_fd_, events, 64, timeout_ms);
+  for (int i = 0; i < n; ++i) {
+    uint64_t data = events[i].data.u64;
+    if (data == 0) {
+      uint64_t count;
+      (void)!read(wake_fd_, &count, sizeof(count));
+    } else if (data & kDeviceTag) {
+      ReadAsyncEvents(reinterpret_cast<ibv_context*>(data & ~kDeviceTag));
+    } else {
       static_cast<Connection*>(events[i].data.ptr)->ConsumeEvents();
     }
-    last_progress = std::chrono::steady_clock::now();
   }
 }
 

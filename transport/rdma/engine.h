@@ -13,10 +13,18 @@
 //
 // Connections leave the engine when they close: the engine runs
 // Connection::FinishClose on its thread and drops its reference.
+//
+// The engine also reads each device's asynchronous events: a QP fatal
+// event closes that connection, a port error the connections on that port,
+// a device fatal event every connection on the device, each with the event
+// named as the trigger so channels fall back to gRPC at once.
 #ifndef RDMARPC_TRANSPORT_RDMA_ENGINE_H_
 #define RDMARPC_TRANSPORT_RDMA_ENGINE_H_
 
+#include <infiniband/verbs.h>
+
 #include <chrono>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -40,15 +48,29 @@ class Engine {
   // Makes the thread look at its connections now (one closed, ...).
   void Wake();
 
+  // Acts on one asynchronous event of `device` (closes the connections it
+  // concerns). The engine calls it for each event it reads; tests call it
+  // with synthetic events.
+  void HandleAsyncEvent(ibv_context* device, const ibv_async_event& event);
+
  private:
   Engine();
   void Loop();
+  void ReadAsyncEvents(ibv_context* device);
+  // Waits up to `timeout_ms` (-1: forever) for epoll and handles what it
+  // reports: wake-ups, completion channels, device events.
+  void HandleEpoll(int timeout_ms);
+  // Stops watching devices no open connection uses. Requires mu_.
+  void ReleaseDevicesLocked();
 
   int epoll_fd_ = -1;
   int wake_fd_ = -1;
   std::chrono::microseconds spin_;
   std::mutex mu_;
   std::vector<std::shared_ptr<Connection>> added_;  // not yet picked up
+  // Every connection the engine polls, for the async events.
+  std::vector<std::weak_ptr<Connection>> live_;
+  std::map<ibv_context*, bool> watched_devices_;  // value: fd still in epoll
   std::thread thread_;
 };
 

@@ -1,5 +1,7 @@
 #include "transport/rdma/rdma_client.h"
 
+#include <algorithm>
+#include <condition_variable>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -9,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/completion.h"
+#include "runtime/fault_injection.h"
 #include "transport/rdma/connection_setup.h"
 #include "transport/rdma/payload.h"
 #include "transport/rdma/registration.h"
@@ -39,13 +42,19 @@ struct ClientRecord {
   uint64_t received_bytes = 0;
   uint64_t response_copied = 0;
   std::optional<Clock::time_point> deadline;
+  std::chrono::steady_clock::time_point sent_at;
 };
 
 // What to do with a call once the endpoint's lock is released.
 struct Outcome {
+  enum class Next {
+    kComplete,  // run the callback with `status`
+    kReroute,   // nothing reached a handler: gRPC carries it
+    kResend,    // the connection failed with it in flight: re-send
+  };
   std::unique_ptr<ClientRecord> record;
   Status status;
-  bool reroute = false;  // send it over gRPC instead (nothing ran)
+  Next next = Next::kComplete;
 };
 
 }  // namespace
@@ -54,10 +63,10 @@ class ClientEndpoint final
     : public Connection::Handler,
       public std::enable_shared_from_this<ClientEndpoint> {
  public:
-  ClientEndpoint(internal::ClientTransport* fallback, TransportPolicy policy,
+  ClientEndpoint(RdmaClientHooks hooks, uint64_t server_instance,
                  uint64_t inline_threshold, std::string description)
-      : fallback_(fallback),
-        policy_(policy),
+      : hooks_(std::move(hooks)),
+        server_instance_(server_instance),
         inline_threshold_(inline_threshold),
         description_(std::move(description)) {}
 
@@ -70,6 +79,26 @@ class ClientEndpoint final
   Status health() const {
     std::lock_guard<std::mutex> lock(mu_);
     return closed_;
+  }
+
+  // Calls outstanding, and when the last one started (for the silence
+  // check).
+  size_t outstanding(std::chrono::steady_clock::time_point* last_start) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    *last_start = last_start_;
+    return calls_.size();
+  }
+
+  // From now on a closing connection fails its calls instead of re-sending
+  // them (the channel is going away).
+  void BeginShutdown() {
+    std::lock_guard<std::mutex> lock(mu_);
+    shutting_down_ = true;
+  }
+  // Returns once OnClosed has run.
+  void WaitClosed() {
+    std::unique_lock<std::mutex> lock(mu_);
+    closed_cv_.wait(lock, [this] { return on_closed_done_; });
   }
 
   void Start(internal::ClientCall call);
@@ -87,13 +116,13 @@ class ClientEndpoint final
   // Removes the call and queues its completion (or defers it while writes
   // are pending). Requires mu_.
   void FinishLocked(uint64_t call_id, Status status,
-                    std::vector<Outcome>* outcomes, bool reroute = false);
+                    std::vector<Outcome>* outcomes,
+                    Outcome::Next next = Outcome::Next::kComplete);
   void Complete(std::vector<Outcome> outcomes);
-  void Reroute(internal::ClientCall call, const std::string& why);
   void SendCancelLocked(uint64_t call_id);
 
-  internal::ClientTransport* fallback_;
-  const TransportPolicy policy_;
+  const RdmaClientHooks hooks_;
+  const uint64_t server_instance_;
   const uint64_t inline_threshold_;
   const std::string description_;
   WireLimits limits_;
@@ -106,6 +135,10 @@ class ClientEndpoint final
   std::map<uint32_t, uint64_t> grants_;  // grant id -> call id
   std::set<uint64_t> early_cancels_;
   uint32_t next_grant_id_ = 1;
+  std::chrono::steady_clock::time_point last_start_;
+  bool shutting_down_ = false;
+  bool on_closed_done_ = false;
+  std::condition_variable closed_cv_;
 };
 
 namespace {
@@ -127,21 +160,6 @@ class RdmaCanceller final : public internal::CallCanceller {
 };
 
 }  // namespace
-
-void ClientEndpoint::Reroute(internal::ClientCall call,
-                             const std::string& why) {
-  CallStats* stats = call.ctx->mutable_stats();
-  if (policy_ == TransportPolicy::kRdma) {
-    stats->transport_reason = why;
-    auto done = std::move(call.done);
-    done(absl::UnavailableError(absl::StrCat(
-        "call ", call.method, " not sent: policy 'rdma' and ", why)));
-    return;
-  }
-  stats->transport = TransportKind::kGrpc;
-  stats->transport_reason = absl::StrCat(why, "; gRPC carries the call");
-  fallback_->Start(std::move(call));
-}
 
 void ClientEndpoint::Start(internal::ClientCall call) {
   ClientContext* ctx = call.ctx;
@@ -165,7 +183,7 @@ void ClientEndpoint::Start(internal::ClientCall call) {
     if (!closed_.ok()) {
       std::string why =
           absl::StrCat("RDMA connection lost (", closed_.message(), ")");
-      return Reroute(std::move(call), why);
+      return hooks_.reroute(std::move(call), why);
     }
     conn = conn_;
     cache = cache_;
@@ -177,7 +195,8 @@ void ClientEndpoint::Start(internal::ClientCall call) {
       PlanPayload(*call.request, ctx->tensors(), room, inline_threshold_);
   if (!payload.ok()) {
     if (payload.status().code() == StatusCode::kUnimplemented) {
-      return Reroute(std::move(call), std::string(payload.status().message()));
+      return hooks_.reroute(std::move(call),
+                            std::string(payload.status().message()));
     }
     auto done = std::move(call.done);
     return done(payload.status());
@@ -186,8 +205,8 @@ void ClientEndpoint::Start(internal::ClientCall call) {
   for (const auto& src : payload->out_of_band) {
     auto mem = cache->ForSend(src.data, src.size);
     if (!mem.ok()) {
-      return Reroute(std::move(call),
-                     absl::StrCat("RDMA ", mem.status().message()));
+      return hooks_.reroute(std::move(call),
+                            absl::StrCat("RDMA ", mem.status().message()));
     }
     record->sources.push_back(*std::move(mem));
   }
@@ -197,6 +216,7 @@ void ClientEndpoint::Start(internal::ClientCall call) {
   record->stage = record->sources.empty() ? ClientRecord::Stage::kAwaitResponse
                                           : ClientRecord::Stage::kAwaitGrant;
   record->deadline = ctx->deadline();
+  record->sent_at = std::chrono::steady_clock::now();
   CallStats* stats = ctx->mutable_stats();
   stats->transport = TransportKind::kRdma;
   stats->tensor_bytes_sent = record->out.tensor_bytes;
@@ -212,6 +232,7 @@ void ClientEndpoint::Start(internal::ClientCall call) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     bool cancelled = early_cancels_.erase(call_id) > 0;
+    last_start_ = std::chrono::steady_clock::now();
     calls_.emplace(call_id, std::move(record));
     conn->calls_waiting.fetch_add(1);
     if (cancelled) {
@@ -220,7 +241,7 @@ void ClientEndpoint::Start(internal::ClientCall call) {
       Status sent = conn->SendFrame(FrameType::kRequest, &head, inline_parts);
       if (!sent.ok()) {
         // Nothing reached the server: gRPC may carry it.
-        FinishLocked(call_id, sent, &outcomes, /*reroute=*/true);
+        FinishLocked(call_id, sent, &outcomes, Outcome::Next::kReroute);
       }
     }
   }
@@ -281,7 +302,7 @@ std::chrono::milliseconds ClientEndpoint::ExpireDeadlines() {
 
 void ClientEndpoint::FinishLocked(uint64_t call_id, Status status,
                                   std::vector<Outcome>* outcomes,
-                                  bool reroute) {
+                                  Outcome::Next next) {
   auto it = calls_.find(call_id);
   if (it == calls_.end()) return;
   ClientRecord& r = *it->second;
@@ -291,7 +312,7 @@ void ClientEndpoint::FinishLocked(uint64_t call_id, Status status,
   }
   if (r.grant_id != 0) grants_.erase(r.grant_id);
   if (conn_) conn_->calls_waiting.fetch_sub(1);
-  outcomes->push_back({std::move(it->second), std::move(status), reroute});
+  outcomes->push_back({std::move(it->second), std::move(status), next});
   calls_.erase(it);
 }
 
@@ -308,9 +329,19 @@ void ClientEndpoint::Complete(std::vector<Outcome> outcomes) {
     ClientRecord& r = *o.record;
     ClientContext* ctx = r.call.ctx;
     ctx->DetachCanceller();
-    if (o.reroute) {
-      Reroute(std::move(r.call), absl::StrCat("RDMA could not send it (",
-                                              o.status.message(), ")"));
+    if (o.next == Outcome::Next::kReroute) {
+      hooks_.reroute(std::move(r.call), absl::StrCat("RDMA could not send it (",
+                                                     o.status.message(), ")"));
+      continue;
+    }
+    if (o.next == Outcome::Next::kResend) {
+      r.call.resend = internal::ClientCall::Resend{hooks_.client_id,
+                                                   server_instance_, r.sent_at};
+      hooks_.reroute(
+          std::move(r.call),
+          absl::StrCat("RDMA connection lost with the call in "
+                       "flight (",
+                       o.status.message(), "); re-sent with the same call id"));
       continue;
     }
     CallStats* stats = ctx->mutable_stats();
@@ -334,6 +365,9 @@ Status ClientEndpoint::OnFrame(const FrameView& frame) {
     case FrameType::kResponse:
       s = OnResponse(frame, &outcomes);
       break;
+    case FrameType::kPong:
+      s = ParsePing(frame).status();  // hearing it is the point
+      break;
     default:
       s = absl::InvalidArgumentError(absl::StrCat(
           "a server sent frame type ", static_cast<int>(frame.type)));
@@ -354,7 +388,7 @@ Status ClientEndpoint::OnGrant(const FrameView& frame,
         absl::StrCat("grant for call ", call_id, ", which expects none"));
   }
   auto on_written = [weak = std::weak_ptr<ClientEndpoint>(shared_from_this()),
-                     call_id](Status s) {
+                     call_id](Status) {
     auto ep = weak.lock();
     if (!ep) return;
     std::vector<Outcome> done;
@@ -363,8 +397,9 @@ Status ClientEndpoint::OnGrant(const FrameView& frame,
       auto it = ep->calls_.find(call_id);
       if (it == ep->calls_.end()) return;
       ClientRecord& rec = *it->second;
+      // A failed write means the connection failed: OnClosed follows and
+      // re-sends the call, so the error itself decides nothing here.
       --rec.writes_pending;
-      if (!s.ok() && !rec.deferred) rec.deferred = s;
       if (rec.writes_pending == 0 && rec.deferred) {
         ep->FinishLocked(call_id, *rec.deferred, &done);
       }
@@ -403,7 +438,8 @@ Status ClientEndpoint::OnResponse(const FrameView& frame,
         r.stage == ClientRecord::Stage::kAwaitGrant && head.not_executed();
     FinishLocked(head.call_id(),
                  Status(static_cast<StatusCode>(head.code()), head.message()),
-                 outcomes, not_sent);
+                 outcomes,
+                 not_sent ? Outcome::Next::kReroute : Outcome::Next::kComplete);
     return absl::OkStatus();
   }
   if (r.stage == ClientRecord::Stage::kAwaitGrant) {
@@ -486,23 +522,49 @@ Status ClientEndpoint::OnWriteLanded(uint32_t immediate) {
 void ClientEndpoint::OnClosed(const Status& why) {
   std::vector<Outcome> outcomes;
   std::shared_ptr<Connection> conn;
+  bool resend = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     closed_ = why;
+    resend = !shutting_down_;
+    conn = conn_;
+  }
+  // The channel stops routing here before the calls come back to it.
+  if (resend && hooks_.lost) hooks_.lost(why, conn->close_trigger());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // The queue pair is gone: nothing writes into these calls' memory.
     for (auto& [id, r] : calls_) r->writes_pending = 0;
+    auto now = Clock::now();
     while (!calls_.empty()) {
-      FinishLocked(calls_.begin()->first, why, &outcomes);
+      ClientRecord& r = *calls_.begin()->second;
+      uint64_t id = calls_.begin()->first;
+      if (r.deferred) {
+        Status decided = *r.deferred;  // cancelled or expired already
+        FinishLocked(id, decided, &outcomes);
+      } else if (r.deadline && *r.deadline <= now) {
+        FinishLocked(id, absl::DeadlineExceededError("deadline exceeded"),
+                     &outcomes);
+      } else {
+        FinishLocked(
+            id, why, &outcomes,
+            resend ? Outcome::Next::kResend : Outcome::Next::kComplete);
+      }
     }
   }
   Complete(std::move(outcomes));
   std::lock_guard<std::mutex> lock(mu_);
   if (cache_) cache_->Clear();
-  conn = std::move(conn_);
+  conn_.reset();
   // `conn` (and its protection domain) goes after the registrations.
+  on_closed_done_ = true;
+  closed_cv_.notify_all();
 }
 
 StatusOr<std::unique_ptr<RdmaClientTransport>> RdmaClientTransport::Connect(
-    grpc_transport::GrpcClientTransport* grpc, const ChannelOptions& options) {
+    grpc_transport::GrpcClientTransport* grpc, const ChannelOptions& options,
+    RdmaClientHooks hooks) {
+  ForgetRemovedRdmaDevices();
   auto local = FindRdmaIpv4Address();
   if (!local.ok()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -510,6 +572,7 @@ StatusOr<std::unique_ptr<RdmaClientTransport>> RdmaClientTransport::Connect(
   }
   HelloRequest hello;
   hello.set_version(kWireVersion);
+  hello.set_client_id(hooks.client_id);
   auto answer = grpc->UnaryBytes(kHelloMethod, hello.SerializeAsString(),
                                  options.rdma_connect_timeout);
   if (!answer.ok()) {
@@ -554,8 +617,9 @@ StatusOr<std::unique_ptr<RdmaClientTransport>> RdmaClientTransport::Connect(
   std::unique_ptr<RdmaClientTransport> t(new RdmaClientTransport());
   t->description_ = absl::StrCat("RDMA connection to ", server.cm_address(),
                                  ":", server.cm_port());
-  t->endpoint_ = std::make_shared<ClientEndpoint>(grpc, options.policy,
-                                                  threshold, t->description_);
+  t->peer_timeout_ = options.rdma_peer_timeout;
+  t->endpoint_ = std::make_shared<ClientEndpoint>(
+      std::move(hooks), server.server_instance(), threshold, t->description_);
   auto conn = ConnectToServer(
       server.cm_address(), static_cast<uint16_t>(server.cm_port()),
       server.token(), config, t->endpoint_, options.rdma_connect_timeout);
@@ -573,21 +637,78 @@ StatusOr<std::unique_ptr<RdmaClientTransport>> RdmaClientTransport::Connect(
 RdmaClientTransport::~RdmaClientTransport() {
   stop_.store(true);
   if (monitor_.joinable()) monitor_.join();
-  if (conn_) conn_->Close(absl::UnavailableError("channel destroyed"));
+  if (!conn_) return;  // Connect failed: no connection, no calls
+  endpoint_->BeginShutdown();
+  conn_->Close(absl::UnavailableError("the channel was destroyed"),
+               "channel destroyed");
+  endpoint_->WaitClosed();
 }
 
 void RdmaClientTransport::Monitor() {
+  using SteadyClock = std::chrono::steady_clock;
+  // When the outstanding ping reached the server's receive queue (0: none
+  // delivered yet); set by the ping's send continuation.
+  auto delivered = std::make_shared<std::atomic<SteadyClock::rep>>(0);
+  bool ping_out = false;
+  uint64_t ping_sequence = 0;
   while (!stop_.load()) {
     std::chrono::milliseconds wait = endpoint_->ExpireDeadlines();
+    if (RDMARPC_FAULT("rdma.client.qp_error")) {
+      Status injected = conn_->InjectQueuePairError();
+      if (!injected.ok()) conn_->Close(injected, "fault injection");
+    }
+    // A server that stops answering on RDMA (its gRPC port may still
+    // answer) must not hold calls forever. After a third of the timeout
+    // without a frame, ping it; a ping that reached it and is not answered
+    // within two thirds of the timeout closes the connection. (A ping
+    // waits behind writes already posted; its clock starts once it lands.)
+    auto now = SteadyClock::now();
+    SteadyClock::time_point last_start;
+    size_t outstanding = endpoint_->outstanding(&last_start);
+    SteadyClock::time_point heard = conn_->last_heard();
+    if (ping_out) {
+      SteadyClock::time_point landed(SteadyClock::duration(delivered->load()));
+      if (delivered->load() != 0 && heard > landed) {
+        ping_out = false;  // answered (or any other frame came)
+      } else if (delivered->load() != 0 &&
+                 now - landed >= peer_timeout_ * 2 / 3 && !conn_->closed()) {
+        conn_->Close(absl::UnavailableError(absl::StrCat(
+                         "the server did not answer on RDMA for ",
+                         std::chrono::duration_cast<std::chrono::milliseconds>(
+                             now - std::max(heard, last_start))
+                             .count(),
+                         " ms with ", outstanding,
+                         " calls outstanding (a ping went unanswered)")),
+                     "server silent on RDMA");
+      }
+    } else if (outstanding > 0 && peer_timeout_.count() > 0 &&
+               now - std::max(heard, last_start) >= peer_timeout_ / 3) {
+      Ping ping;
+      ping.set_sequence(++ping_sequence);
+      delivered->store(0);
+      Status sent =
+          conn_->SendFrame(FrameType::kPing, &ping, {}, [delivered](Status s) {
+            if (s.ok()) {
+              delivered->store(SteadyClock::now().time_since_epoch().count());
+            }
+          });
+      ping_out = sent.ok();
+    }
+    if (outstanding > 0 && peer_timeout_.count() > 0) {
+      wait = std::min(
+          wait, std::max(std::chrono::milliseconds(1), peer_timeout_ / 6));
+    }
     auto event = NextCmEvent(conn_->cm_events(), wait);
-    if (!event.ok()) continue;  // timeout: check deadlines again
+    if (!event.ok()) continue;  // timeout: check again
     switch (event->type) {
       case RDMA_CM_EVENT_DISCONNECTED:
         conn_->Close(
-            absl::UnavailableError("the server closed the RDMA connection"));
+            absl::UnavailableError("the server closed the RDMA connection"),
+            "server disconnected");
         break;
       case RDMA_CM_EVENT_DEVICE_REMOVAL:
-        conn_->Close(absl::UnavailableError("the RDMA device was removed"));
+        conn_->Close(absl::UnavailableError("the RDMA device was removed"),
+                     "device removed");
         break;
       default:
         break;

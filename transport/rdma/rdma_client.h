@@ -10,17 +10,25 @@
 // response comes back the same way, into memory this side grants: the
 // context's response placement or a buffer from SetResponseTensorBuffer.
 //
-//   auto rdma = RdmaClientTransport::Connect(grpc.get(), options);
+//   auto rdma = RdmaClientTransport::Connect(grpc.get(), options, hooks);
 //   if (!rdma.ok()) use gRPC, reporting rdma.status().message();
 //   (*rdma)->Start(std::move(call));
 //
+// When the connection fails (a completion error, an async event, the
+// server silent for ChannelOptions::rdma_peer_timeout, ...) every call in
+// flight goes back through `hooks.reroute` with `call.resend` set, so it is
+// re-sent over gRPC with its call id and the server runs it at most once;
+// then `hooks.lost` tells the channel.
+//
 // Memory: request and response buffers are borrowed until the call's `done`
 // runs, which is never before the device has stopped reading or writing
-// them (a cancelled call whose response is being written waits for it).
+// them (a cancelled call whose response is being written waits for it). A
+// re-sent call borrows them on until its gRPC attempt completes.
 #ifndef RDMARPC_TRANSPORT_RDMA_RDMA_CLIENT_H_
 #define RDMARPC_TRANSPORT_RDMA_RDMA_CLIENT_H_
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -36,15 +44,31 @@ class ClientEndpoint;
 
 inline constexpr char kHelloMethod[] = "/rdmarpc.internal.Rdma/Hello";
 
+// How the transport hands work back to its channel. Both may run on the
+// engine thread, never under the transport's locks, and never after the
+// transport's destructor returned.
+struct RdmaClientHooks {
+  uint64_t client_id = 0;  // names this channel's calls to the server
+  // Carries a call RDMA cannot: one not sent (a tensor in device memory, a
+  // failed registration, `not_executed`), or one in flight when the
+  // connection failed (call.resend set). `why` is for the call's stats.
+  std::function<void(internal::ClientCall call, std::string why)> reroute;
+  // The connection failed: `why` and the trigger in a few words. Runs
+  // once, before the connection's calls are rerouted.
+  std::function<void(const Status& why, const std::string& trigger)> lost;
+};
+
 class RdmaClientTransport final : public internal::ClientTransport {
  public:
-  // Handshake and connect. `grpc` says hello and carries the calls this
-  // transport cannot (device memory, a failed registration); it must
-  // outlive the transport. The error says why RDMA cannot be used:
-  // FAILED_PRECONDITION when the server or this host has no RDMA,
-  // UNAVAILABLE when connecting failed.
+  // Handshake and connect. `grpc` says hello; it must outlive the
+  // transport. The error says why RDMA cannot be used: FAILED_PRECONDITION
+  // when the server or this host has no RDMA, UNAVAILABLE when the
+  // handshake or connect failed or timed out.
   static StatusOr<std::unique_ptr<RdmaClientTransport>> Connect(
-      grpc_transport::GrpcClientTransport* grpc, const ChannelOptions& options);
+      grpc_transport::GrpcClientTransport* grpc, const ChannelOptions& options,
+      RdmaClientHooks hooks);
+  // Closes the connection and waits until its calls have completed with
+  // UNAVAILABLE (not re-sent: the channel is going away).
   ~RdmaClientTransport() override;
 
   TransportKind kind() const override { return TransportKind::kRdma; }
@@ -58,9 +82,12 @@ class RdmaClientTransport final : public internal::ClientTransport {
 
  private:
   RdmaClientTransport() = default;
+  // Expires deadlines, watches the connection's CM events, pings a silent
+  // server and closes the connection when it stays silent.
   void Monitor();
 
   std::string description_;
+  std::chrono::milliseconds peer_timeout_{0};
   std::shared_ptr<ClientEndpoint> endpoint_;
   std::shared_ptr<Connection> conn_;
   std::atomic<bool> stop_{false};

@@ -5,9 +5,11 @@
 #include <cstring>
 #include <random>
 #include <set>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/fault_injection.h"
 #include "transport/rdma/connection_setup.h"
 #include "transport/rdma/engine.h"
 #include "transport/rdma/payload.h"
@@ -26,11 +28,38 @@ struct ServerShared {
   std::atomic<uint64_t> accepted{0};
   std::atomic<uint64_t> refused{0};
   std::atomic<uint64_t> protocol_errors{0};
+  uint64_t landing_pool_bytes = 0;
+  std::atomic<uint64_t> landing_in_use{0};
 };
 
 namespace {
 
 using google::protobuf::Message;
+
+// Landing memory a request holds against the server's pool.
+class LandingReservation {
+ public:
+  LandingReservation() = default;
+  LandingReservation(std::shared_ptr<ServerShared> shared, uint64_t bytes)
+      : shared_(std::move(shared)), bytes_(bytes) {}
+  LandingReservation(LandingReservation&& o) noexcept
+      : shared_(std::move(o.shared_)), bytes_(std::exchange(o.bytes_, 0)) {}
+  LandingReservation& operator=(LandingReservation&& o) noexcept {
+    Release();
+    shared_ = std::move(o.shared_);
+    bytes_ = std::exchange(o.bytes_, 0);
+    return *this;
+  }
+  ~LandingReservation() { Release(); }
+
+ private:
+  void Release() {
+    if (shared_ && bytes_ > 0) shared_->landing_in_use.fetch_sub(bytes_);
+    bytes_ = 0;
+  }
+  std::shared_ptr<ServerShared> shared_;
+  uint64_t bytes_ = 0;
+};
 
 struct ServerRecord {
   enum class Stage {
@@ -43,11 +72,13 @@ struct ServerRecord {
   std::shared_ptr<internal::ServerCallState> state;
   std::shared_ptr<Message> request;
   IncomingPayload in;
+  LandingReservation landing;
   uint32_t grant_id = 0;
   std::unique_ptr<Message> response;
   OutgoingPayload out;
   std::vector<LocalMemory> sources;
   int writes_pending = 0;
+  Status write_error;  // of a response write
 };
 
 }  // namespace
@@ -58,11 +89,12 @@ class ServerEndpoint final
  public:
   ServerEndpoint(internal::Dispatcher* dispatcher,
                  std::shared_ptr<ServerShared> shared, uint64_t threshold,
-                 std::string peer)
+                 std::string peer, uint64_t client_id)
       : dispatcher_(dispatcher),
         shared_(std::move(shared)),
         inline_threshold_(threshold),
-        peer_(std::move(peer)) {}
+        peer_(std::move(peer)),
+        client_id_(client_id) {}
 
   void Attach(std::shared_ptr<Connection> conn) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -85,8 +117,9 @@ class ServerEndpoint final
   Status OnWriteLanded(uint32_t immediate) override;
   void OnClosed(const Status& why) override;
 
-  void Respond(uint64_t call_id, Status status,
-               std::unique_ptr<Message> response);
+  void Respond(uint64_t call_id,
+               const std::shared_ptr<internal::ServerCallState>& state,
+               Status status, std::unique_ptr<Message> response);
 
  private:
   Status OnRequest(const FrameView& frame);
@@ -97,12 +130,18 @@ class ServerEndpoint final
   // Sends an error response and forgets the call. Requires mu_.
   void FailLocked(uint64_t call_id, const Status& status,
                   bool not_executed = false);
+  // Tells the dispatcher, once `sent` reports, whether the outcome of a
+  // logged call reached the client (see call_log.h).
+  std::function<void(Status)> SettleWhenSent(
+      std::shared_ptr<internal::ServerCallState> state, Status status,
+      std::shared_ptr<std::unique_ptr<Message>> response);
   void ForgetLocked(uint64_t call_id);
 
   internal::Dispatcher* dispatcher_;
   std::shared_ptr<ServerShared> shared_;
   const uint64_t inline_threshold_;
   const std::string peer_;
+  const uint64_t client_id_;  // from the handshake; 0: calls not logged
   WireLimits limits_;
 
   std::mutex mu_;
@@ -115,7 +154,16 @@ class ServerEndpoint final
 };
 
 Status ServerEndpoint::OnFrame(const FrameView& frame) {
+  // Fault injection: a server that stops answering on RDMA while its gRPC
+  // port still does.
+  if (RDMARPC_FAULT("rdma.server.ignore_frames")) return absl::OkStatus();
   switch (frame.type) {
+    case FrameType::kPing: {
+      RDMARPC_ASSIGN_OR_RETURN(Ping ping, ParsePing(frame));
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!closed_) (void)conn_->SendFrame(FrameType::kPong, &ping);
+      return absl::OkStatus();
+    }
     case FrameType::kRequest:
       return OnRequest(frame);
     case FrameType::kGrant:
@@ -149,8 +197,27 @@ void ServerEndpoint::FailLocked(uint64_t call_id, const Status& status,
   }
   head.set_message(message);
   head.set_not_executed(not_executed);
-  (void)conn_->SendFrame(FrameType::kResponse, &head);
+  auto it = calls_.find(call_id);
+  std::function<void(Status)> sent;
+  if (it != calls_.end() && it->second->state && it->second->state->logged) {
+    sent = SettleWhenSent(it->second->state, status, nullptr);
+  }
+  if (!conn_->SendFrame(FrameType::kResponse, &head, {}, sent).ok() && sent) {
+    sent(absl::UnavailableError("RDMA connection closed"));
+  }
   ForgetLocked(call_id);
+}
+
+std::function<void(Status)> ServerEndpoint::SettleWhenSent(
+    std::shared_ptr<internal::ServerCallState> state, Status status,
+    std::shared_ptr<std::unique_ptr<Message>> response) {
+  return [dispatcher = dispatcher_, state = std::move(state),
+          status = std::move(status),
+          response = std::move(response)](Status sent) mutable {
+    if (sent.ok()) return dispatcher->Delivered(*state);
+    dispatcher->Undelivered(std::move(state), std::move(status),
+                            response ? std::move(*response) : nullptr);
+  };
 }
 
 Status ServerEndpoint::OnRequest(const FrameView& frame) {
@@ -176,6 +243,7 @@ Status ServerEndpoint::OnRequest(const FrameView& frame) {
       std::make_shared<internal::ServerCallState>(method, TransportKind::kRdma);
   r.state->peer = peer_;
   r.state->call_id = call_id;
+  r.state->client_id = client_id_;
   if (head.timeout_us() > 0) {
     r.state->deadline = std::chrono::system_clock::now() +
                         std::chrono::microseconds(head.timeout_us());
@@ -190,6 +258,23 @@ Status ServerEndpoint::OnRequest(const FrameView& frame) {
     return absl::OkStatus();
   }
   r.in = *std::move(in);
+  uint64_t landing_bytes = 0;
+  for (const TensorBuffer& b : r.in.landing) landing_bytes += b.size();
+  if (landing_bytes > 0) {
+    uint64_t before = shared_->landing_in_use.fetch_add(landing_bytes);
+    r.landing = LandingReservation(shared_, landing_bytes);
+    if (before + landing_bytes > shared_->landing_pool_bytes ||
+        RDMARPC_FAULT("rdma.server.landing_pool_exhausted")) {
+      FailLocked(
+          call_id,
+          absl::ResourceExhaustedError(absl::StrCat(
+              "the server's RDMA landing pool is exhausted (", before, " of ",
+              shared_->landing_pool_bytes,
+              " bytes granted; this request needs ", landing_bytes, ")")),
+          /*not_executed=*/true);
+      return absl::OkStatus();
+    }
+  }
   Status registered = RegisterLandingMemory(&r.in, conn_->pd());
   if (!registered.ok()) {
     // Nothing ran: the client may carry the call over gRPC instead.
@@ -246,20 +331,28 @@ void ServerEndpoint::DispatchLocked(uint64_t call_id) {
   std::shared_ptr<Message> request = r.request;
   dispatcher_->Execute(
       std::move(state), std::move(request),
-      [self = shared_from_this(), call_id](Status s,
-                                           std::unique_ptr<Message> response) {
-        self->Respond(call_id, std::move(s), std::move(response));
+      [self = shared_from_this(), call_id, state = r.state](
+          Status s, std::unique_ptr<Message> response) {
+        self->Respond(call_id, state, std::move(s), std::move(response));
         std::lock_guard<std::mutex> shared_lock(self->shared_->mu);
         --self->shared_->handlers_running;
         self->shared_->cv.notify_all();
       });
 }
 
-void ServerEndpoint::Respond(uint64_t call_id, Status status,
-                             std::unique_ptr<Message> response) {
+void ServerEndpoint::Respond(
+    uint64_t call_id, const std::shared_ptr<internal::ServerCallState>& state,
+    Status status, std::unique_ptr<Message> response) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = calls_.find(call_id);
-  if (closed_ || it == calls_.end()) return;  // cancelled or disconnected
+  if (closed_ || it == calls_.end() || it->second->state != state) {
+    // Disconnected (or cancelled): a logged call's outcome waits for the
+    // client's re-send.
+    if (state->logged) {
+      dispatcher_->Undelivered(state, std::move(status), std::move(response));
+    }
+    return;
+  }
   ServerRecord& r = *it->second;
   if (r.state->deadline &&
       std::chrono::system_clock::now() > *r.state->deadline) {
@@ -290,11 +383,22 @@ void ServerEndpoint::Respond(uint64_t call_id, Status status,
   }
   for (Part& p : out->parts) *head.add_parts() = std::move(p);
   out->parts.clear();
-  r.response = std::move(response);
   r.out = *std::move(out);
-  Status sent =
-      conn_->SendFrame(FrameType::kResponse, &head, r.out.inline_parts);
-  if (!sent.ok() || r.sources.empty()) {
+  std::function<void(Status)> sent;
+  if (r.sources.empty()) {
+    // Inline only: delivered once the frame is acknowledged.
+    if (state->logged) {
+      sent = SettleWhenSent(
+          state, absl::OkStatus(),
+          std::make_shared<std::unique_ptr<Message>>(std::move(response)));
+    }
+  } else {
+    r.response = std::move(response);
+  }
+  Status queued =
+      conn_->SendFrame(FrameType::kResponse, &head, r.out.inline_parts, sent);
+  if (!queued.ok() && sent) sent(queued);
+  if (!queued.ok() || r.sources.empty()) {
     ForgetLocked(call_id);
     return;
   }
@@ -312,14 +416,24 @@ Status ServerEndpoint::OnGrant(const FrameView& frame) {
   }
   ServerRecord& r = *it->second;
   auto on_written = [weak = std::weak_ptr<ServerEndpoint>(shared_from_this()),
-                     call_id](Status) {
+                     call_id](Status written) {
     auto self = weak.lock();
     if (!self) return;
     std::lock_guard<std::mutex> lock(self->mu_);
     auto it = self->calls_.find(call_id);
-    if (it != self->calls_.end() && --it->second->writes_pending == 0) {
-      self->ForgetLocked(call_id);
+    if (it == self->calls_.end()) return;
+    ServerRecord& rec = *it->second;
+    if (!written.ok()) rec.write_error = written;
+    if (--rec.writes_pending > 0) return;
+    if (rec.state->logged) {
+      if (rec.write_error.ok()) {
+        self->dispatcher_->Delivered(*rec.state);
+      } else {
+        self->dispatcher_->Undelivered(rec.state, absl::OkStatus(),
+                                       std::move(rec.response));
+      }
     }
+    self->ForgetLocked(call_id);
   };
   RDMARPC_ASSIGN_OR_RETURN(
       r.writes_pending,
@@ -334,6 +448,10 @@ void ServerEndpoint::OnCancel(uint64_t call_id) {
   if (it == calls_.end()) return;  // finished already
   ServerRecord& r = *it->second;
   if (r.state) r.state->cancelled.store(true);
+  if (r.stage == ServerRecord::Stage::kAwaitResponseGrant && r.state->logged) {
+    // A re-send racing the cancel still gets the outcome.
+    dispatcher_->Undelivered(r.state, absl::OkStatus(), std::move(r.response));
+  }
   if (r.stage == ServerRecord::Stage::kAwaitRequestData ||
       r.stage == ServerRecord::Stage::kAwaitResponseGrant) {
     ForgetLocked(call_id);  // ends the grant, drops the response
@@ -346,7 +464,17 @@ void ServerEndpoint::OnClosed(const Status&) {
     std::lock_guard<std::mutex> lock(mu_);
     closed_ = true;
     for (auto& [id, r] : calls_) {
-      if (r->state) r->state->cancelled.store(true);
+      if (!r->state) continue;
+      if (r->state->logged) {
+        // The client re-sends it over gRPC: a running handler goes on, and
+        // a response it could not take is kept for the re-send.
+        if (r->stage == ServerRecord::Stage::kAwaitResponseGrant) {
+          dispatcher_->Undelivered(r->state, absl::OkStatus(),
+                                   std::move(r->response));
+        }
+      } else {
+        r->state->cancelled.store(true);
+      }
     }
     calls_.clear();
     grants_.clear();
@@ -377,24 +505,40 @@ StatusOr<std::unique_ptr<RdmaServerTransport>> RdmaServerTransport::Start(
     }
     t->address_ = *found;
   }
+  t->shared_->landing_pool_bytes = options.landing_pool_bytes;
   RDMARPC_ASSIGN_OR_RETURN(t->events_, CreateEventChannel());
-  RDMARPC_ASSIGN_OR_RETURN(t->listen_id_, CreateCmId(t->events_.get()));
-  sockaddr_in sin{};
-  sin.sin_family = AF_INET;
-  if (inet_pton(AF_INET, t->address_.c_str(), &sin.sin_addr) != 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("RDMA address '", t->address_, "' is not IPv4"));
+  {
+    std::lock_guard<std::mutex> lock(t->mu_);
+    RDMARPC_RETURN_IF_ERROR(t->ListenLocked());
   }
-  if (rdma_bind_addr(t->listen_id_.get(), reinterpret_cast<sockaddr*>(&sin)) !=
-      0) {
-    return VerbsError(absl::StrCat("rdma_bind_addr ", t->address_), errno);
-  }
-  if (rdma_listen(t->listen_id_.get(), 128) != 0) {
-    return VerbsError("rdma_listen", errno);
-  }
-  t->port_ = ntohs(rdma_get_src_port(t->listen_id_.get()));
   t->cm_thread_ = std::thread([raw = t.get()] { raw->CmLoop(); });
   return t;
+}
+
+Status RdmaServerTransport::ListenLocked() {
+  RDMARPC_ASSIGN_OR_RETURN(CmId id, CreateCmId(events_.get()));
+  sockaddr_in sin{};
+  sin.sin_family = AF_INET;
+  if (inet_pton(AF_INET, address_.c_str(), &sin.sin_addr) != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RDMA address '", address_, "' is not IPv4"));
+  }
+  if (rdma_bind_addr(id.get(), reinterpret_cast<sockaddr*>(&sin)) != 0) {
+    return VerbsError(absl::StrCat("rdma_bind_addr ", address_), errno);
+  }
+  if (rdma_listen(id.get(), 128) != 0) return VerbsError("rdma_listen", errno);
+  port_ = ntohs(rdma_get_src_port(id.get()));
+  if (id->verbs != nullptr) device_ = ibv_get_device_name(id->verbs->device);
+  listen_id_ = std::move(id);
+  not_listening_.clear();
+  return absl::OkStatus();
+}
+
+void RdmaServerTransport::DropListener(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  listen_id_.reset();
+  not_listening_ = why;
+  tokens_.clear();
 }
 
 RdmaServerTransport::~RdmaServerTransport() {
@@ -422,22 +566,24 @@ StatusOr<std::string> RdmaServerTransport::Hello(const std::string& peer,
     std::memcpy(token.data() + i, &v, 4);
   }
   auto now = std::chrono::steady_clock::now();
+  HelloResponse response;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (shut_down_) return HelloUnavailable("the server is shutting down");
+    if (!not_listening_.empty()) return HelloUnavailable(not_listening_);
     for (auto it = tokens_.begin(); it != tokens_.end();) {
-      it = it->second < now ? tokens_.erase(it) : std::next(it);
+      it = it->second.expires < now ? tokens_.erase(it) : std::next(it);
     }
     if (tokens_.size() >= 4096) {
       return absl::ResourceExhaustedError(
           "too many RDMA handshakes waiting for their connect");
     }
-    tokens_[token] = now + options_.token_lifetime;
+    tokens_[token] = Token{now + options_.token_lifetime, hello.client_id()};
+    response.set_cm_port(port_);
   }
-  HelloResponse response;
   response.set_version(kWireVersion);
   response.set_cm_address(address_);
-  response.set_cm_port(port_);
+  response.set_server_instance(dispatcher_->server_instance());
   response.set_token(token);
   response.set_receives(options_.receives);
   response.set_receive_bytes(options_.receive_bytes);
@@ -446,9 +592,31 @@ StatusOr<std::string> RdmaServerTransport::Hello(const std::string& peer,
 }
 
 void RdmaServerTransport::CmLoop() {
+  auto next_listen = std::chrono::steady_clock::now();
   while (!stop_.load()) {
+    {
+      // Listen again once the device is back (rxe re-added, driver reset).
+      std::lock_guard<std::mutex> lock(mu_);
+      auto now = std::chrono::steady_clock::now();
+      if (!not_listening_.empty() && now >= next_listen) {
+        ForgetRemovedRdmaDevices();
+        Status listened = ListenLocked();
+        if (!listened.ok()) {
+          not_listening_ = absl::StrCat(
+              "the server's RDMA device went away and listening again "
+              "failed: ",
+              listened.message());
+        }
+        next_listen = now + std::chrono::milliseconds(200);
+      }
+    }
     auto event = NextCmEvent(events_.get(), std::chrono::milliseconds(100));
     if (!event.ok()) continue;
+    bool listener = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      listener = listen_id_ && event->id == listen_id_.get();
+    }
     switch (event->type) {
       case RDMA_CM_EVENT_CONNECT_REQUEST:
         OnConnectRequest(*event);
@@ -456,6 +624,14 @@ void RdmaServerTransport::CmLoop() {
       case RDMA_CM_EVENT_ESTABLISHED:
         shared_->accepted.fetch_add(1);
         break;
+      case RDMA_CM_EVENT_DEVICE_REMOVAL:
+        if (listener) {
+          DropListener(
+              "the server's RDMA device was removed; it listens again when "
+              "the device returns");
+          break;
+        }
+        [[fallthrough]];
       case RDMA_CM_EVENT_DISCONNECTED:
       case RDMA_CM_EVENT_CONNECT_ERROR:
       case RDMA_CM_EVENT_UNREACHABLE: {
@@ -463,7 +639,10 @@ void RdmaServerTransport::CmLoop() {
         {
           std::lock_guard<std::mutex> lock(mu_);
           auto it = endpoints_.find(event->id);
-          if (it != endpoints_.end()) endpoint = it->second;
+          if (it != endpoints_.end()) {
+            endpoint = it->second;
+            endpoints_.erase(it);
+          }
         }
         if (endpoint) {
           if (auto conn = endpoint->connection()) {
@@ -488,14 +667,17 @@ void RdmaServerTransport::OnConnectRequest(const CmEvent& event) {
   };
   auto data = DecodeConnectData(event.private_data);
   if (!data.ok()) return refuse(std::string(data.status().message()));
+  if (RDMARPC_FAULT("rdma.server.refuse_connect")) return refuse("fault");
+  uint64_t client_id = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = tokens_.find(data->token);
     if (shut_down_ || it == tokens_.end() ||
-        it->second < std::chrono::steady_clock::now()) {
+        it->second.expires < std::chrono::steady_clock::now()) {
       if (it != tokens_.end()) tokens_.erase(it);
       return refuse("no valid token");
     }
+    client_id = it->second.client_id;
     tokens_.erase(it);
   }
   if (data->receives < 4 || data->receives > 4096 ||
@@ -515,7 +697,7 @@ void RdmaServerTransport::OnConnectRequest(const CmEvent& event) {
   }
   auto endpoint = std::make_shared<ServerEndpoint>(
       dispatcher_, shared_, options_.inline_threshold,
-      absl::StrCat("rdma:", peer_text));
+      absl::StrCat("rdma:", peer_text), client_id);
   auto resources = BuildResources(EventChannel(), CmId(event.id), &config);
   if (!resources.ok()) {
     shared_->refused.fetch_add(1);
@@ -530,6 +712,9 @@ void RdmaServerTransport::OnConnectRequest(const CmEvent& event) {
   rdma_conn_param param{};
   param.rnr_retry_count = 0;
   param.retry_count = 7;
+  if (auto delay = internal::fault::Take("rdma.server.accept_delay_ms")) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(*delay));
+  }
   if (rdma_accept(event.id, &param) != 0) {
     (*conn)->Close(VerbsError("rdma_accept", errno));
   }
@@ -591,10 +776,12 @@ void RdmaServerTransport::Shutdown(
 
 RdmaServerStats RdmaServerTransport::stats() const {
   RdmaServerStats s;
-  s.status = absl::StrCat("listening on ", address_, ":", port_);
-  if (listen_id_ && listen_id_->verbs != nullptr) {
-    absl::StrAppend(&s.status, " (",
-                    ibv_get_device_name(listen_id_->verbs->device), ")");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    s.status = not_listening_.empty()
+                   ? absl::StrCat("listening on ", address_, ":", port_, " (",
+                                  device_, ")")
+                   : not_listening_;
   }
   s.connections_accepted = shared_->accepted.load();
   s.connects_refused = shared_->refused.load();

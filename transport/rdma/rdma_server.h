@@ -47,6 +47,10 @@ struct RdmaServerOptions {
   uint32_t receive_bytes = 32 << 10;
   uint64_t inline_threshold = kDefaultInlineThreshold;
   std::chrono::seconds token_lifetime{30};
+  // Landing memory granted to requests at once, over all connections. A
+  // request that would exceed it is answered `not_executed` and the client
+  // sends it over gRPC.
+  uint64_t landing_pool_bytes = uint64_t{8} << 30;
 };
 
 class RdmaServerTransport final : public internal::ServerTransport {
@@ -72,11 +76,16 @@ class RdmaServerTransport final : public internal::ServerTransport {
                                const RdmaServerOptions& options);
   void CmLoop();
   void OnConnectRequest(const CmEvent& event);
+  // Binds and listens on address_. Requires mu_.
+  Status ListenLocked();
+  // The listener's device went away: drop it; CmLoop listens again.
+  void DropListener(const std::string& why);
 
   internal::Dispatcher* dispatcher_;
   RdmaServerOptions options_;
   std::string address_;
-  uint16_t port_ = 0;
+  uint16_t port_ = 0;   // guarded by mu_
+  std::string device_;  // guarded by mu_
   EventChannel events_;
   CmId listen_id_;
   std::shared_ptr<ServerShared> shared_;
@@ -84,7 +93,13 @@ class RdmaServerTransport final : public internal::ServerTransport {
   std::thread cm_thread_;
 
   mutable std::mutex mu_;
-  std::map<std::string, std::chrono::steady_clock::time_point> tokens_;
+  // Empty while listening; else why not (the device went away).
+  std::string not_listening_;
+  struct Token {
+    std::chrono::steady_clock::time_point expires;
+    uint64_t client_id = 0;
+  };
+  std::map<std::string, Token> tokens_;
   std::map<rdma_cm_id*, std::shared_ptr<ServerEndpoint>> endpoints_;
   bool shut_down_ = false;
 };

@@ -256,6 +256,12 @@ StatusOr<std::string> FindRdmaIpv4Address() {
       "device, or set RDMARPC_RDMA_ADDR"));
 }
 
+void ForgetRemovedRdmaDevices() {
+  // rdma_get_devices re-reads the device list; rdma_free_devices then
+  // closes the contexts of devices that are gone and no longer used.
+  if (ibv_context** list = rdma_get_devices(nullptr)) rdma_free_devices(list);
+}
+
 std::vector<std::string> DescribeRdmaDevices() {
   std::vector<std::string> out;
   int count = 0;

@@ -130,6 +130,13 @@ struct CmEvent {
 // turn. NOT_FOUND says how to fix it.
 [[nodiscard]] StatusOr<std::string> FindRdmaIpv4Address();
 
+// Lets librdmacm notice devices that went away (an rxe link deleted, a
+// driver reset) and close its handle on them, which the kernel waits for
+// before it can finish removing the device; also picks up devices that
+// appeared. Call once this process has destroyed its ids on a removed
+// device.
+void ForgetRemovedRdmaDevices();
+
 // "rxe0 port 1 active mtu 4096" for each device and port; empty when there
 // is no RDMA device.
 std::vector<std::string> DescribeRdmaDevices();

@@ -37,6 +37,10 @@ const char* TypeName(FrameType t) {
       return "credit";
     case FrameType::kCancel:
       return "cancel";
+    case FrameType::kPing:
+      return "ping";
+    case FrameType::kPong:
+      return "pong";
   }
   return "unknown";
 }
@@ -143,7 +147,7 @@ StatusOr<FrameView> DecodeFrame(std::string_view bytes) {
   }
   uint8_t type = static_cast<uint8_t>(p[3]);
   if (type < static_cast<uint8_t>(FrameType::kRequest) ||
-      type > static_cast<uint8_t>(FrameType::kCancel)) {
+      type > static_cast<uint8_t>(FrameType::kPong)) {
     return Malformed(absl::StrCat("unknown frame type ", type));
   }
   if (GetLe(p + 6, 2) != 0) return Malformed("reserved bits set");
@@ -162,7 +166,7 @@ StatusOr<FrameView> DecodeFrame(std::string_view bytes) {
       (!view.head.empty() || !view.inline_bytes.empty())) {
     return Malformed("a credit frame with a payload");
   }
-  if ((view.type == FrameType::kGrant || view.type == FrameType::kCancel) &&
+  if (view.type != FrameType::kRequest && view.type != FrameType::kResponse &&
       !view.inline_bytes.empty()) {
     return Malformed(
         absl::StrCat("a ", TypeName(view.type), " frame with inline bytes"));
@@ -245,6 +249,19 @@ StatusOr<Cancel> ParseCancel(const FrameView& frame) {
                            ParseHead<Cancel>(frame, FrameType::kCancel));
   if (cancel.call_id() == 0) return Malformed("cancel without a call id");
   return cancel;
+}
+
+StatusOr<Ping> ParsePing(const FrameView& frame) {
+  if (frame.type != FrameType::kPing && frame.type != FrameType::kPong) {
+    return Malformed(absl::StrCat("expected a ping or pong, got a ",
+                                  TypeName(frame.type), " frame"));
+  }
+  Ping ping;
+  if (!ping.ParseFromArray(frame.head.data(),
+                           static_cast<int>(frame.head.size()))) {
+    return Malformed("ping head does not parse");
+  }
+  return ping;
 }
 
 }  // namespace rdmarpc::rdma

@@ -45,6 +45,8 @@ enum class FrameType : uint8_t {
   kGrant = 3,     // Grant
   kCredit = 4,    // no head: only returns credits
   kCancel = 5,    // Cancel
+  kPing = 6,      // Ping: client asks whether the server still answers
+  kPong = 7,      // Ping: the server's answer, same sequence
 };
 
 struct FrameView {
@@ -92,6 +94,8 @@ constexpr size_t FrameBytes(size_t head_bytes, size_t inline_bytes) {
 [[nodiscard]] StatusOr<Grant> ParseGrant(const FrameView& frame,
                                          size_t expected_regions);
 [[nodiscard]] StatusOr<Cancel> ParseCancel(const FrameView& frame);
+// A kPing or kPong frame's head.
+[[nodiscard]] StatusOr<Ping> ParsePing(const FrameView& frame);
 
 }  // namespace rdmarpc::rdma
 

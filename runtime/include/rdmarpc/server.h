@@ -126,6 +126,12 @@ struct RdmaServerStats {
   uint64_t connects_refused = 0;
   // Connections closed because the peer broke the protocol.
   uint64_t protocol_errors = 0;
+  // The call log that makes re-sent calls run once (both transports):
+  // records held now, repeats answered from a record without running the
+  // handler, and repeats refused because the log could not tell.
+  uint64_t calls_logged = 0;
+  uint64_t repeats_answered = 0;
+  uint64_t repeats_refused = 0;
 };
 
 class Server;
@@ -168,6 +174,10 @@ class ServerBuilder {
   // Control receives per RDMA connection (at least 4; default 64): how many
   // frames a client may have in flight before it waits for credits.
   ServerBuilder& SetRdmaReceives(uint32_t receives);
+  // Landing memory granted to RDMA requests at once (default 8 GiB). A
+  // request that would exceed it is not run over RDMA: the client sends it
+  // over gRPC instead, with the reason in its CallStats.
+  ServerBuilder& SetRdmaLandingPoolBytes(uint64_t bytes);
 
   // Runs handlers on the thread that received the call (the RDMA
   // completion engine or a gRPC thread) instead of the worker pool: less
@@ -187,6 +197,7 @@ class ServerBuilder {
   uint64_t max_request_tensor_bytes_ = uint64_t{64} << 30;
   bool rdma_ = true;
   uint32_t rdma_receives_ = 64;
+  uint64_t rdma_landing_pool_bytes_ = uint64_t{8} << 30;
   bool handlers_inline_ = false;
 };
 

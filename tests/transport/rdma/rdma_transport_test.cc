@@ -18,6 +18,7 @@
 #include "e2e_fixture.h"
 #include "transport/grpc/grpc_client.h"
 #include "transport/rdma/connection_setup.h"
+#include "transport/rdma/engine.h"
 #include "transport/rdma/rdma_client.h"
 #include "transport/rdma/wire.h"
 
@@ -500,5 +501,54 @@ TEST_F(ForgedPeerTest, DescriptorThatDisagreesWithTheMessageFailsTheCall) {
   ExpectServerStillServes();
 }
 
+// The engine's handling of device async events, fed synthetic events: a QP
+// fatal event closes the connection of that QP only; a device fatal event
+// closes every connection on the device, and channels fall back to gRPC.
+TEST_F(ForgedPeerTest, QpFatalEventClosesOnlyThatConnection) {
+  rdmarpc::rdma::HelloResponse hello = Hello();
+  auto conn =
+      Connect(hello, hello.token(), std::make_shared<RecordingHandler>());
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  rdmarpc::rdma::Connection& c = **conn;
+  ibv_async_event event{};
+  event.event_type = IBV_EVENT_QP_FATAL;
+  event.element.qp = c.cm_id()->qp;
+  rdmarpc::rdma::Engine::Get().HandleAsyncEvent(c.cm_id()->verbs, event);
+  for (int i = 0; i < 200 && !c.closed(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_TRUE(c.closed());
+  EXPECT_EQ(c.close_trigger(), "QP fatal event");
+  ExpectServerStillServes();
+}
+
+TEST_F(ForgedPeerTest, DeviceFatalEventMakesChannelsFallBackThenProbeBack) {
+  rdmarpc::ChannelOptions options;
+  options.rdma_probe_initial_backoff = std::chrono::milliseconds(50);
+  auto channel =
+      rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port_), options);
+  auto stub = E2E::NewStub(channel);
+  ASSERT_TRUE(EchoOnce(stub.get(), 4096, 1));
+  rdmarpc::rdma::HelloResponse hello = Hello();
+  auto conn =
+      Connect(hello, hello.token(), std::make_shared<RecordingHandler>());
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  ibv_async_event event{};
+  event.event_type = IBV_EVENT_DEVICE_FATAL;
+  event.element.port_num = 1;
+  rdmarpc::rdma::Engine::Get().HandleAsyncEvent((*conn)->cm_id()->verbs, event);
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  rdmarpc::ChannelTransportStats stats;
+  do {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    stats = channel->transport_stats();
+  } while (stats.switches < 2 && std::chrono::steady_clock::now() < until);
+  // Down (the device is not really dead, so the probe succeeds) and back.
+  EXPECT_EQ(stats.last_trigger, "device fatal event") << stats.ToString();
+  EXPECT_EQ(stats.health, rdmarpc::RdmaHealth::kReady) << stats.ToString();
+  EXPECT_EQ(stats.switches, 2u) << stats.ToString();
+  EXPECT_TRUE((*conn)->closed());
+  EXPECT_TRUE(EchoOnce(stub.get(), 4096, 2));  // over RDMA again
+}
 }  // namespace
 }  // namespace rdmarpc_test

@@ -95,6 +95,20 @@ TEST(WireTest, OtherFramesRoundTrip) {
   auto x = DecodeFrame(x_bytes);
   ASSERT_TRUE(x.ok()) << x.status();
   EXPECT_EQ(ParseCancel(*x)->call_id(), 5u);
+
+  Ping ping;
+  ping.set_sequence(12);
+  for (FrameType type : {FrameType::kPing, FrameType::kPong}) {
+    std::string p_bytes = Encode(type, 0, &ping);
+    auto p = DecodeFrame(p_bytes);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ(ParsePing(*p)->sequence(), 12u);
+  }
+  // A ping with inline bytes, or read as a ping when it is not one.
+  ExpectMalformed(
+      DecodeFrame(Encode(FrameType::kPing, 0, &ping, {"zz"})).status(),
+      "a ping frame with inline bytes");
+  ExpectMalformed(ParsePing(*x).status(), "expected a ping or pong");
 }
 
 TEST(WireTest, FrameThatDoesNotFitIsResourceExhausted) {
@@ -121,8 +135,8 @@ TEST(WireTest, PreambleErrors) {
   bad[3] = 0;
   ExpectMalformed(DecodeFrame(bad).status(), "unknown frame type 0");
   bad = good;
-  bad[3] = 6;
-  ExpectMalformed(DecodeFrame(bad).status(), "unknown frame type 6");
+  bad[3] = 8;
+  ExpectMalformed(DecodeFrame(bad).status(), "unknown frame type 8");
   bad = good;
   bad[7] = 1;
   ExpectMalformed(DecodeFrame(bad).status(), "reserved bits");

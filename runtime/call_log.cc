@@ -1,0 +1,199 @@
+#include "runtime/call_log.h"
+
+#include "absl/strings/str_cat.h"
+#include "runtime/tensor_walk.h"
+
+namespace rdmarpc::internal {
+
+using google::protobuf::Message;
+
+void AnswerWithCopy(const Status& status, const Message* response,
+                    const CallTensors& source, ServerCallState* target,
+                    const Dispatcher::Completion& done) {
+  if (!status.ok() || response == nullptr) return done(status, nullptr);
+  std::unique_ptr<Message> copy(response->New());
+  copy->CopyFrom(*response);
+  // Same message, same walk: the k-th tensor of the copy is the k-th of the
+  // original, so it gets the original's buffer.
+  std::vector<const Tensor*> from;
+  std::vector<Tensor*> to;
+  Status walked = CollectTensors(*response, &from);
+  if (walked.ok()) walked = CollectMutableTensors(copy.get(), &to);
+  if (!walked.ok()) return done(walked, nullptr);
+  target->tensors.Clear();
+  for (size_t i = 0; i < from.size() && i < to.size(); ++i) {
+    if (const TensorBuffer* b = source.Find(*from[i])) {
+      target->tensors.Bind(*to[i], *b);
+    }
+  }
+  done(absl::OkStatus(), std::move(copy));
+}
+
+CallLog::CallLog(Options options, uint64_t server_instance)
+    : options_(options), server_instance_(server_instance) {}
+
+Status CallLog::CheckUnknownRepeat(const ServerCallState& state,
+                                   Clock::time_point now) const {
+  if (!state.resend) return absl::OkStatus();
+  const ServerCallState::Resend& r = *state.resend;
+  std::string call = absl::StrCat("call ", state.call_id, " (",
+                                  state.method().descriptor.path, ")");
+  if (r.server_instance != server_instance_) {
+    return absl::UnavailableError(absl::StrCat(
+        call,
+        " was re-sent after its RDMA connection failed, but the server has "
+        "restarted since it was first sent; it is not run again (it may "
+        "have run before the restart)"));
+  }
+  auto sent = now - r.age;
+  if (r.age > options_.window || sent <= horizon_) {
+    return absl::UnavailableError(absl::StrCat(
+        call, " was re-sent ", r.age.count(),
+        " ms after it was first sent, beyond what the server's call log "
+        "still covers; it is not run again (it may have run)"));
+  }
+  return absl::OkStatus();
+}
+
+void CallLog::ExpireLocked(Clock::time_point now) {
+  while (!order_.empty()) {
+    auto it = records_.find(order_.front());
+    if (it == records_.end()) {
+      order_.pop_front();
+      continue;
+    }
+    Record& r = it->second;
+    bool settled = r.stage == Record::Stage::kRetained ||
+                   r.stage == Record::Stage::kDelivered;
+    bool old = now - r.admitted > options_.window;
+    bool over = records_.size() > options_.max_records;
+    if (!settled || (!old && !over)) break;
+    if (!old) horizon_ = std::max(horizon_, r.admitted);
+    records_.erase(it);
+    order_.pop_front();
+  }
+}
+
+bool CallLog::Admit(const std::shared_ptr<ServerCallState>& state,
+                    Dispatcher::Completion& done) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto now = Clock::now();
+  ExpireLocked(now);
+  auto it = records_.find(KeyOf(*state));
+  if (it == records_.end()) {
+    Status refused = CheckUnknownRepeat(*state, now);
+    if (!refused.ok()) {
+      ++stats_.repeats_refused;
+      lock.unlock();
+      auto take = std::move(done);
+      take(refused, nullptr);
+      return false;
+    }
+    Record& r = records_[KeyOf(*state)];
+    r.admitted = now;
+    order_.push_back(KeyOf(*state));
+    return true;
+  }
+  Record& r = it->second;
+  Status status;
+  std::shared_ptr<ServerCallState> source;
+  std::shared_ptr<const Message> response;
+  switch (r.stage) {
+    case Record::Stage::kRunning:
+    case Record::Stage::kSending:
+      r.waiters.push_back({state, std::move(done)});
+      return false;
+    case Record::Stage::kRetained:
+      ++stats_.repeats_answered;
+      status = r.status;
+      source = r.state;
+      response = r.response;
+      break;
+    case Record::Stage::kDelivered:
+      ++stats_.repeats_refused;
+      status = absl::UnavailableError(absl::StrCat(
+          "call ", state->call_id,
+          " already ran and its response was delivered before this "
+          "re-send arrived; it is not run again"));
+      break;
+  }
+  // Answered outside the lock: the transport's completion may call back.
+  lock.unlock();
+  Dispatcher::Completion answer = std::move(done);
+  if (source) {
+    AnswerWithCopy(status, response.get(), source->tensors, state.get(),
+                   answer);
+  } else {
+    answer(status, nullptr);
+  }
+  return false;
+}
+
+void CallLog::Finished(const ServerCallState& state, const Status& status,
+                       const Message* response) {
+  std::vector<Waiter> waiters;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = records_.find(KeyOf(state));
+    if (it == records_.end()) return;
+    it->second.stage = Record::Stage::kSending;
+    waiters.swap(it->second.waiters);
+    stats_.repeats_answered += waiters.size();
+  }
+  for (Waiter& w : waiters) {
+    AnswerWithCopy(status, response, state.tensors, w.state.get(), w.done);
+  }
+}
+
+void CallLog::Delivered(const ServerCallState& state) {
+  std::vector<Waiter> waiters;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = records_.find(KeyOf(state));
+    if (it == records_.end()) return;
+    Record& r = it->second;
+    r.stage = Record::Stage::kDelivered;
+    r.state.reset();
+    r.response.reset();
+    waiters.swap(r.waiters);
+    stats_.repeats_refused += waiters.size();
+  }
+  for (Waiter& w : waiters) {
+    w.done(absl::UnavailableError(absl::StrCat(
+               "call ", state.call_id,
+               " already ran and its response was delivered before this "
+               "re-send arrived; it is not run again")),
+           nullptr);
+  }
+}
+
+void CallLog::Undelivered(std::shared_ptr<ServerCallState> state, Status status,
+                          std::unique_ptr<Message> response) {
+  std::vector<Waiter> waiters;
+  std::shared_ptr<const Message> kept(std::move(response));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = records_.find(KeyOf(*state));
+    if (it == records_.end()) return;
+    Record& r = it->second;
+    if (r.stage == Record::Stage::kDelivered) return;  // a repeat did
+    r.stage = Record::Stage::kRetained;
+    r.status = status;
+    r.state = state;
+    r.response = kept;
+    waiters.swap(r.waiters);
+    stats_.repeats_answered += waiters.size();
+  }
+  for (Waiter& w : waiters) {
+    AnswerWithCopy(status, kept.get(), state->tensors, w.state.get(), w.done);
+  }
+}
+
+CallLog::Stats CallLog::stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  Stats s = stats_;
+  s.records = records_.size();
+  return s;
+}
+
+}  // namespace rdmarpc::internal

@@ -1,0 +1,123 @@
+// The server's record of recent calls, so that a call re-sent after a
+// transport switch runs its handler at most once.
+//
+// A client that loses its RDMA connection cannot tell whether the calls in
+// flight reached their handlers; it re-sends them over gRPC with the same
+// (client id, call id). The server logs every call that may be re-sent
+// (every RDMA call, and every re-send) before its handler runs:
+//
+//   if (!log.Admit(state, done)) return;     // a repeat: `done` is taken
+//   run the handler, then log.Finished(*state, status, response.get());
+//   the transport sends the response, then log.Delivered(*state), or
+//   log.Undelivered(state, status, std::move(response)) if it could not.
+//
+// A repeat of a running call waits for it; a repeat of a call whose
+// response could not be delivered gets that response (a copy of the
+// message, the same tensor buffers); a repeat of a delivered call, of a
+// call from before a server restart, or of one older than the window fails
+// with UNAVAILABLE, never running the handler twice. Memory: one small
+// record per call for `window` (30 s), at most `max_records`; an
+// undelivered response keeps its message and tensor buffers until it is
+// delivered by a repeat or the window passes.
+#ifndef RDMARPC_RUNTIME_CALL_LOG_H_
+#define RDMARPC_RUNTIME_CALL_LOG_H_
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "google/protobuf/message.h"
+#include "rdmarpc/status.h"
+#include "runtime/transport.h"
+
+namespace rdmarpc::internal {
+
+class CallLog {
+ public:
+  struct Options {
+    std::chrono::milliseconds window{30000};
+    size_t max_records = size_t{1} << 18;
+  };
+  struct Stats {
+    uint64_t records = 0;           // now
+    uint64_t repeats_answered = 0;  // from a record, handler not run
+    uint64_t repeats_refused = 0;   // UNAVAILABLE: could not tell
+  };
+
+  // `server_instance`: random per server start; a re-send names the
+  // instance it was first sent to.
+  CallLog(Options options, uint64_t server_instance);
+
+  uint64_t server_instance() const { return server_instance_; }
+
+  // True: the caller runs the handler (a first arrival). False: a repeat;
+  // `done` was moved from and runs with the recorded outcome, now or when
+  // the first arrival finishes, or with UNAVAILABLE saying why the log
+  // cannot answer. Requires state->client_id != 0.
+  bool Admit(const std::shared_ptr<ServerCallState>& state,
+             Dispatcher::Completion& done);
+  // The handler of an admitted call returned. `response` (null on error)
+  // and state.tensors must still hold what the handler made.
+  void Finished(const ServerCallState& state, const Status& status,
+                const google::protobuf::Message* response);
+  // The response reached the client.
+  void Delivered(const ServerCallState& state);
+  // The transport could not deliver the response: keep it for a repeat.
+  void Undelivered(std::shared_ptr<ServerCallState> state, Status status,
+                   std::unique_ptr<google::protobuf::Message> response);
+
+  Stats stats();
+
+ private:
+  using Key = std::pair<uint64_t, uint64_t>;  // client id, call id
+  using Clock = std::chrono::steady_clock;
+  struct Waiter {
+    std::shared_ptr<ServerCallState> state;
+    Dispatcher::Completion done;
+  };
+  struct Record {
+    enum class Stage { kRunning, kSending, kRetained, kDelivered };
+    Stage stage = Stage::kRunning;
+    Clock::time_point admitted;
+    std::vector<Waiter> waiters;
+    // kRetained: the outcome, with the state whose tensors the response
+    // refers to.
+    Status status;
+    std::shared_ptr<ServerCallState> state;
+    std::shared_ptr<const google::protobuf::Message> response;
+  };
+
+  static Key KeyOf(const ServerCallState& state) {
+    return {state.client_id, state.call_id};
+  }
+  // Drops settled records past the window or over max_records. Requires mu_.
+  void ExpireLocked(Clock::time_point now);
+  // Why a repeat of a call the log does not know cannot run, or OK.
+  Status CheckUnknownRepeat(const ServerCallState& state,
+                            Clock::time_point now) const;
+
+  const Options options_;
+  const uint64_t server_instance_;
+  std::mutex mu_;
+  std::map<Key, Record> records_;
+  std::deque<Key> order_;  // admission order, for expiry
+  // Admission time of the newest record dropped before its window passed.
+  Clock::time_point horizon_{};
+  Stats stats_;
+};
+
+// Runs `done` with a copy of `response` whose tensors are bound in
+// `target->tensors` to the buffers `source` binds for the original.
+void AnswerWithCopy(const Status& status,
+                    const google::protobuf::Message* response,
+                    const CallTensors& source, ServerCallState* target,
+                    const Dispatcher::Completion& done);
+
+}  // namespace rdmarpc::internal
+
+#endif  // RDMARPC_RUNTIME_CALL_LOG_H_

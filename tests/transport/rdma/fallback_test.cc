@@ -1,0 +1,186 @@
+// The channel's fallback triggers that need a server to misbehave, driven by
+// fault points (runtime/fault_injection.h) on real RDMA (label rdma): a
+// server without RDMA, a refused handshake, a connect that times out, and a
+// server that stops answering on RDMA while its gRPC port answers. Each
+// checks the channel's state, its trigger text, that calls complete (the
+// handler running once), and fail-back where RDMA can recover.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include "e2e_fixture.h"
+#include "runtime/fault_injection.h"
+
+namespace rdmarpc_test {
+namespace {
+
+using namespace std::chrono_literals;
+using rdmarpc::RdmaHealth;
+namespace fault = rdmarpc::internal::fault;
+
+class FallbackTest : public ::testing::Test {
+ protected:
+  void TearDown() override { fault::DisarmAll(); }
+
+  void Start(bool rdma = true) {
+    auto server = rdmarpc::ServerBuilder()
+                      .AddListeningPort("127.0.0.1:0", &port_)
+                      .RegisterService(&service_)
+                      .EnableRdma(rdma)
+                      .BuildAndStart();
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+  }
+
+  std::shared_ptr<rdmarpc::Channel> Channel(rdmarpc::ChannelOptions options) {
+    options.rdma_probe_initial_backoff = 50ms;
+    options.rdma_probe_max_backoff = 200ms;
+    return rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port_),
+                                  options);
+  }
+
+  // An Echo of `size` bytes; returns the transport, or kNone on failure.
+  rdmarpc::TransportKind Echo(rdmarpc::Channel* channel, size_t size,
+                              rdmarpc::Status* status = nullptr) {
+    std::vector<uint8_t> bytes = Pattern(size, static_cast<uint32_t>(size));
+    rdmarpc::ClientContext ctx;
+    EchoRequest req;
+    EchoResponse resp;
+    EXPECT_TRUE(ctx.tensors()
+                    .Set(req.mutable_tensor(), rdmarpc::DTYPE_U8,
+                         {static_cast<int64_t>(size)},
+                         rdmarpc::TensorBuffer::Borrow(bytes.data(), size))
+                    .ok());
+    rdmarpc::Status s =
+        channel->Call("/rdmarpc_test.E2E/Echo", &ctx, req, &resp);
+    if (status != nullptr) *status = s;
+    if (!s.ok()) return rdmarpc::TransportKind::kNone;
+    auto out = ctx.tensors().Get(resp.tensor());
+    EXPECT_TRUE(out.ok() && out->size() == size &&
+                std::memcmp(out->data(), bytes.data(), size) == 0);
+    return ctx.stats().transport;
+  }
+
+  static bool WaitFor(rdmarpc::Channel* channel, RdmaHealth health,
+                      std::chrono::milliseconds limit) {
+    auto until = std::chrono::steady_clock::now() + limit;
+    while (channel->transport_stats().health != health) {
+      if (std::chrono::steady_clock::now() > until) return false;
+      std::this_thread::sleep_for(10ms);
+    }
+    return true;
+  }
+
+  E2EService service_;
+  int port_ = 0;
+  std::unique_ptr<rdmarpc::Server> server_;
+};
+
+TEST_F(FallbackTest, ServerWithoutRdmaMeansGrpcOnly) {
+  Start(/*rdma=*/false);
+  auto channel = Channel({});
+  EXPECT_EQ(Echo(channel.get(), 4096), rdmarpc::TransportKind::kGrpc);
+  rdmarpc::ChannelTransportStats stats = channel->transport_stats();
+  EXPECT_EQ(stats.health, RdmaHealth::kGrpcOnly);
+  EXPECT_NE(stats.rdma.find("RDMA disabled"), std::string::npos) << stats.rdma;
+  EXPECT_EQ(stats.probes, 0u);
+
+  rdmarpc::ChannelOptions required;
+  required.policy = rdmarpc::TransportPolicy::kRdma;
+  auto strict = Channel(required);
+  rdmarpc::Status s;
+  EXPECT_EQ(Echo(strict.get(), 64, &s), rdmarpc::TransportKind::kNone);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_NE(s.message().find("policy 'rdma'"), std::string::npos) << s;
+}
+
+TEST_F(FallbackTest, RefusedHandshakeDegradesThenFailsBack) {
+  Start();
+  fault::Arm("rdma.server.refuse_connect");
+  auto channel = Channel({});
+  EXPECT_EQ(Echo(channel.get(), 100000), rdmarpc::TransportKind::kGrpc);
+  rdmarpc::ChannelTransportStats stats = channel->transport_stats();
+  EXPECT_EQ(stats.health, RdmaHealth::kDegraded);
+  EXPECT_EQ(stats.last_trigger, "connect failed");
+  EXPECT_NE(stats.last_error.find("REJECTED"), std::string::npos)
+      << stats.last_error;
+  fault::Disarm("rdma.server.refuse_connect");
+  ASSERT_TRUE(WaitFor(channel.get(), RdmaHealth::kReady, 10s))
+      << channel->transport_stats().ToString();
+  EXPECT_EQ(Echo(channel.get(), 100000), rdmarpc::TransportKind::kRdma);
+  EXPECT_GE(channel->transport_stats().probes, 1u);
+  EXPECT_GE(server_->rdma_stats().connects_refused, 1u);
+}
+
+TEST_F(FallbackTest, ConnectTimeoutDegrades) {
+  Start();
+  fault::Arm("rdma.server.accept_delay_ms", 1, 1500);
+  rdmarpc::ChannelOptions options;
+  options.rdma_connect_timeout = 500ms;
+  auto channel = Channel(options);
+  EXPECT_EQ(Echo(channel.get(), 64), rdmarpc::TransportKind::kGrpc);
+  rdmarpc::ChannelTransportStats stats = channel->transport_stats();
+  EXPECT_EQ(stats.last_trigger, "connect failed");
+  EXPECT_NE(stats.last_error.find("within 500 ms"), std::string::npos)
+      << stats.last_error;
+  // The delay was armed once: a probe gets through.
+  ASSERT_TRUE(WaitFor(channel.get(), RdmaHealth::kReady, 10s))
+      << channel->transport_stats().ToString();
+  EXPECT_EQ(Echo(channel.get(), 64), rdmarpc::TransportKind::kRdma);
+}
+
+TEST_F(FallbackTest, ServerSilentOnRdmaIsDetectedAndTheCallResentOnce) {
+  Start();
+  rdmarpc::ChannelOptions options;
+  options.rdma_peer_timeout = 600ms;
+  auto channel = Channel(options);
+  ASSERT_EQ(Echo(channel.get(), 300000), rdmarpc::TransportKind::kRdma);
+  int runs_before = service_.echo_calls.load();
+  fault::Arm("rdma.server.ignore_frames");
+  auto start = std::chrono::steady_clock::now();
+  rdmarpc::Status s;
+  // Written (300 KB): the request frame is dropped, so the handler cannot
+  // have run; the re-send over gRPC runs it.
+  EXPECT_EQ(Echo(channel.get(), 300000, &s), rdmarpc::TransportKind::kGrpc)
+      << s;
+  auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_LT(took, 5s) << "detection is bounded by rdma_peer_timeout";
+  EXPECT_EQ(service_.echo_calls.load(), runs_before + 1);
+  rdmarpc::ChannelTransportStats stats = channel->transport_stats();
+  EXPECT_EQ(stats.last_trigger, "server silent on RDMA") << stats.ToString();
+  EXPECT_EQ(stats.calls_resent, 1u);
+  EXPECT_EQ(stats.health, RdmaHealth::kDegraded);
+  fault::Disarm("rdma.server.ignore_frames");
+  ASSERT_TRUE(WaitFor(channel.get(), RdmaHealth::kReady, 10s))
+      << channel->transport_stats().ToString();
+}
+
+TEST_F(FallbackTest, HandlerRunningWhenTheConnectionDropsRunsOnce) {
+  Start();
+  auto channel = Channel({});
+  ASSERT_EQ(Echo(channel.get(), 64), rdmarpc::TransportKind::kRdma);
+  int started = service_.slow_started.load();
+  // The Slow call is running on the server when the client's queue pair
+  // breaks; the re-send over gRPC waits for that run and gets its outcome.
+  rdmarpc::ClientContext ctx;
+  EchoRequest req;
+  EchoResponse resp;
+  req.set_sleep_ms(800);
+  auto future = channel->CallFuture("/rdmarpc_test.E2E/Slow", &ctx, req, &resp);
+  while (service_.slow_started.load() == started) {
+    std::this_thread::sleep_for(5ms);
+  }
+  fault::Arm("rdma.client.qp_error", 1);
+  rdmarpc::Status s = future.get();
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(resp.note(), "slept");
+  EXPECT_EQ(ctx.stats().transport, rdmarpc::TransportKind::kGrpc);
+  EXPECT_EQ(service_.slow_started.load(), started + 1);
+  EXPECT_EQ(channel->transport_stats().calls_resent, 1u);
+  EXPECT_GE(server_->rdma_stats().repeats_answered, 1u);
+}
+
+}  // namespace
+}  // namespace rdmarpc_test
