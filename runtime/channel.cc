@@ -140,7 +140,12 @@ void Channel::OnRdmaLost(const rdma::RdmaClientTransport* transport,
                          const Status& why, const std::string& trigger) {
   std::lock_guard<std::mutex> lock(mu_);
   if (rdma_ == nullptr || rdma_.get() != transport) return;
-  // Not destroyed here: this runs on the engine thread, inside the
+  MarkRdmaLostLocked(why, trigger);
+}
+
+void Channel::MarkRdmaLostLocked(const Status& why,
+                                 const std::string& trigger) {
+  // Not destroyed here: this may run on the engine thread, inside the
   // transport's close; the RDMA thread drops it.
   retired_.push_back(std::move(rdma_));
   health_ = RdmaHealth::kDegraded;
@@ -312,6 +317,12 @@ void Channel::Route(internal::ClientCall call) {
         waiting_.push_back(std::move(call));
         return;
       case RdmaHealth::kReady:
+        if (Status health = rdma_->health(); !health.ok()) {
+          // Lost before the transport could name itself to OnRdmaLost.
+          MarkRdmaLostLocked(health, "connection lost");
+          why = absl::StrCat(rdma_reason_, "; RDMA is being probed");
+          break;
+        }
         rdma = rdma_;
         break;
       case RdmaHealth::kDegraded:

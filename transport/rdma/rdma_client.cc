@@ -530,7 +530,9 @@ void ClientEndpoint::OnClosed(const Status& why) {
     conn = conn_;
   }
   // The channel stops routing here before the calls come back to it.
-  if (resend && hooks_.lost) hooks_.lost(why, conn->close_trigger());
+  if (resend && hooks_.lost) {
+    hooks_.lost(why, conn ? conn->close_trigger() : "connection closed");
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     // The queue pair is gone: nothing writes into these calls' memory.

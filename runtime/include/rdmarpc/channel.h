@@ -177,6 +177,8 @@ class Channel {
   // Runs on the engine thread when `transport`'s connection broke.
   void OnRdmaLost(const rdma::RdmaClientTransport* transport, const Status& why,
                   const std::string& trigger);
+  // rdma-ready -> degraded. Requires mu_.
+  void MarkRdmaLostLocked(const Status& why, const std::string& trigger);
   StatusOr<std::shared_ptr<rdma::RdmaClientTransport>> ConnectRdma();
 
   std::string target_;
