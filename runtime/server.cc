@@ -63,7 +63,19 @@ class ServerDispatcher final : public Dispatcher {
                Completion done) override {
     if (state->client_id != 0) {
       state->logged = true;
-      if (!log_.Admit(state, done)) return;
+      // A repeat is answered from the log on a worker, never inside this
+      // call: transports call Execute, Delivered and Undelivered with their
+      // own locks held.
+      Completion repeat =
+          [this, done](Status s, std::unique_ptr<google::protobuf::Message> r) {
+            auto response =
+                std::make_shared<std::unique_ptr<google::protobuf::Message>>(
+                    std::move(r));
+            pool_.Post([done, s = std::move(s), response] {
+              done(s, std::move(*response));
+            });
+          };
+      if (!log_.Admit(state, repeat)) return;
       done = [this, state, done = std::move(done)](
                  Status s, std::unique_ptr<google::protobuf::Message> r) {
         log_.Finished(*state, s, r.get());
