@@ -7,6 +7,17 @@ namespace rdmarpc::internal {
 
 using google::protobuf::Message;
 
+namespace {
+
+Status AlreadyDelivered(uint64_t call_id) {
+  return absl::UnavailableError(
+      absl::StrCat("call ", call_id,
+                   " already ran and its response was delivered before this "
+                   "re-send arrived; it is not run again"));
+}
+
+}  // namespace
+
 void AnswerWithCopy(const Status& status, const Message* response,
                     const CallTensors& source, ServerCallState* target,
                     const Dispatcher::Completion& done) {
@@ -111,10 +122,7 @@ bool CallLog::Admit(const std::shared_ptr<ServerCallState>& state,
       break;
     case Record::Stage::kDelivered:
       ++stats_.repeats_refused;
-      status = absl::UnavailableError(absl::StrCat(
-          "call ", state->call_id,
-          " already ran and its response was delivered before this "
-          "re-send arrived; it is not run again"));
+      status = AlreadyDelivered(state->call_id);
       break;
   }
   // Answered outside the lock: the transport's completion may call back.
@@ -159,11 +167,7 @@ void CallLog::Delivered(const ServerCallState& state) {
     stats_.repeats_refused += waiters.size();
   }
   for (Waiter& w : waiters) {
-    w.done(absl::UnavailableError(absl::StrCat(
-               "call ", state.call_id,
-               " already ran and its response was delivered before this "
-               "re-send arrived; it is not run again")),
-           nullptr);
+    w.done(AlreadyDelivered(state.call_id), nullptr);
   }
 }
 

@@ -317,14 +317,14 @@ void Channel::Route(internal::ClientCall call) {
         waiting_.push_back(std::move(call));
         return;
       case RdmaHealth::kReady:
-        if (Status health = rdma_->health(); !health.ok()) {
+        if (Status health = rdma_->health(); health.ok()) {
+          rdma = rdma_;
+          break;
+        } else {
           // Lost before the transport could name itself to OnRdmaLost.
           MarkRdmaLostLocked(health, "connection lost");
-          why = absl::StrCat(rdma_reason_, "; RDMA is being probed");
-          break;
         }
-        rdma = rdma_;
-        break;
+        [[fallthrough]];
       case RdmaHealth::kDegraded:
         why = absl::StrCat(rdma_reason_, "; RDMA is being probed");
         break;
