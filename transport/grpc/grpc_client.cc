@@ -206,9 +206,12 @@ GrpcClientTransport::GrpcClientTransport(const std::string& target,
         args.SetMaxReceiveMessageSize(-1);
         args.SetMaxSendMessageSize(-1);
         // gRPC is the fallback: after a server restart it must come back in
-        // seconds, not after gRPC's default backoff of up to 120 s.
+        // seconds, not after gRPC's default backoff of up to 120 s. gRPC
+        // reads the "min reconnect backoff" as the least time it gives one
+        // connect attempt: at 100 ms a slow host (a TCG VM) missed
+        // its first HTTP/2 handshake. A refused connect still fails at once.
         args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-        args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+        args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 5000);
         args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
         return grpc::CreateCustomChannel(
             target, grpc::InsecureChannelCredentials(), args);
