@@ -21,7 +21,10 @@ std::string CallStats::ToString() const {
                       transport_reason, ") call_id=", call_id,
                       " tensor_bytes_sent=", tensor_bytes_sent,
                       " tensor_bytes_received=", tensor_bytes_received,
-                      " cpu_copied_bytes=", cpu_copied_bytes);
+                      " cpu_copied_bytes=", cpu_copied_bytes,
+                      gpu_rdma_mode.empty() ? "" : " gpu_rdma=", gpu_rdma_mode,
+                      gpu_rdma_reason.empty() ? "" : " (", gpu_rdma_reason,
+                      gpu_rdma_reason.empty() ? "" : ")");
 }
 
 void ClientContext::TryCancel() {

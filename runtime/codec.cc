@@ -1,6 +1,7 @@
 #include "runtime/codec.h"
 
 #include "absl/strings/str_cat.h"
+#include "runtime/cuda_support.h"
 #include "runtime/tensor_walk.h"
 
 namespace rdmarpc::internal {
@@ -24,6 +25,13 @@ StatusOr<uint64_t> ExpectedSize(size_t index, const Tensor& t) {
                      " does not match dtype and shape (", *size, " bytes)"));
   }
   return *size;
+}
+
+// Memory for a received tensor: device landing memory comes from the GPU's
+// landing pool rather than a cudaMalloc per call.
+StatusOr<TensorBuffer> AllocateOn(size_t size, Device device) {
+  if (device.is_cuda()) return AllocateGpuLanding(device.index, size);
+  return TensorBuffer::Allocate(size, device);
 }
 
 }  // namespace
@@ -60,9 +68,29 @@ StatusOr<OutgoingPlan> PlanOutgoing(const google::protobuf::Message& msg,
   return plan;
 }
 
+StatusOr<std::vector<Device>> TensorPlacement::Resolve(
+    const google::protobuf::Message& msg) const {
+  std::vector<int> fields;
+  RDMARPC_RETURN_IF_ERROR(CollectTensorTopFields(msg, &fields));
+  std::vector<Device> devices(fields.size(), device);
+  for (size_t i = 0; i < fields.size(); ++i) {
+    if (auto it = by_field.find(fields[i]); it != by_field.end()) {
+      devices[i] = it->second;
+    }
+  }
+  return devices;
+}
+
+std::vector<Device> TensorPlacement::Devices() const {
+  std::vector<Device> all{device};
+  for (const auto& [field, d] : by_field) all.push_back(d);
+  return all;
+}
+
 StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
                                         std::span<const IncomingPart> parts,
-                                        Device placement, uint64_t max_bytes,
+                                        const TensorPlacement& where,
+                                        uint64_t max_bytes,
                                         std::shared_ptr<const void> owner,
                                         CallTensors* tensors) {
   std::vector<Tensor*> fields;
@@ -105,11 +133,14 @@ StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
     result.total_bytes += expected;
     if (p.out_of_band) result.out_of_band_bytes += expected;
   }
-  if (!placement.is_host())
-    RDMARPC_RETURN_IF_ERROR(CudaDeviceStatus(placement.index));
+  for (const Device& d : where.Devices()) {
+    if (!d.is_host()) RDMARPC_RETURN_IF_ERROR(CudaDeviceStatus(d.index));
+  }
+  RDMARPC_ASSIGN_OR_RETURN(std::vector<Device> placements, where.Resolve(*msg));
   for (size_t i = 0; i < fields.size(); ++i) {
     Tensor& t = *fields[i];
     const IncomingPart& p = parts[i];
+    const Device placement = placements[i];
     Device placement_of_bytes = placement;
     TensorBuffer bytes;
     if (!p.landing.empty()) {
@@ -118,7 +149,7 @@ StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
       if (bytes.device() != placement && !inline_copy) {
         // Landed elsewhere (host staging for a device placement): move it.
         RDMARPC_ASSIGN_OR_RETURN(TensorBuffer moved,
-                                 TensorBuffer::Allocate(p.size, placement));
+                                 AllocateOn(p.size, placement));
         RDMARPC_RETURN_IF_ERROR(CopyBytes(moved.data(), placement, bytes.data(),
                                           bytes.device(), p.size));
         result.cpu_copied_bytes += p.size;
@@ -133,14 +164,12 @@ StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
       if (p.out_of_band) result.landing.push_back(bytes);
       placement_of_bytes = bytes.device();
     } else if (p.out_of_band) {
-      RDMARPC_ASSIGN_OR_RETURN(bytes,
-                               TensorBuffer::Allocate(p.size, placement));
+      RDMARPC_ASSIGN_OR_RETURN(bytes, AllocateOn(p.size, placement));
       result.landing.push_back(bytes);
     } else if (placement.is_host()) {
       bytes = TensorBuffer::Share(owner, t.data().data(), t.data().size());
     } else {
-      RDMARPC_ASSIGN_OR_RETURN(bytes,
-                               TensorBuffer::Allocate(p.size, placement));
+      RDMARPC_ASSIGN_OR_RETURN(bytes, AllocateOn(p.size, placement));
       RDMARPC_RETURN_IF_ERROR(CopyBytes(
           bytes.data(), placement, t.data().data(), Device::Host(), p.size));
       result.cpu_copied_bytes += p.size;

@@ -5,6 +5,7 @@
 #define RDMARPC_RUNTIME_CODEC_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <vector>
@@ -34,6 +35,20 @@ struct OutgoingPlan {
 StatusOr<OutgoingPlan> PlanOutgoing(const google::protobuf::Message& msg,
                                     const CallTensors& tensors);
 
+// Where a receiver wants the tensors of a message: one device, or per
+// top-level field of the message.
+struct TensorPlacement {
+  TensorPlacement(Device d = Device::Host()) : device(d) {}  // NOLINT
+  Device device;
+  std::map<int, Device> by_field;  // top-level field number -> device
+
+  // The device of each tensor of `msg`, in walk order.
+  StatusOr<std::vector<Device>> Resolve(
+      const google::protobuf::Message& msg) const;
+  // Every device named.
+  std::vector<Device> Devices() const;
+};
+
 // What the peer says about one tensor of a message it sent.
 struct IncomingPart {
   bool out_of_band = false;
@@ -55,8 +70,8 @@ struct IncomingResult {
 
 // Checks the tensors of `msg` (just parsed from peer bytes) against `parts`:
 // count, dtype, shape, sizes, and the `max_bytes` budget, all before
-// allocating anything. Then allocates landing memory on `placement` for the
-// out-of-band tensors (or uses part.landing, copying it to `placement` when
+// allocating anything. Then allocates landing memory where `placement`
+// puts each out-of-band tensor (or uses part.landing, copying it there when
 // it lies elsewhere), and binds every tensor in `tensors`: inline ones as
 // views of their data (kept alive by `owner`, which must own `msg`) or as
 // copies when `placement` is a device. Marks each tensor's device fields
@@ -64,7 +79,8 @@ struct IncomingResult {
 // RESOURCE_EXHAUSTED (budget or memory).
 StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
                                         std::span<const IncomingPart> parts,
-                                        Device placement, uint64_t max_bytes,
+                                        const TensorPlacement& placement,
+                                        uint64_t max_bytes,
                                         std::shared_ptr<const void> owner,
                                         CallTensors* tensors);
 

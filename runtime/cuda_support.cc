@@ -1,11 +1,23 @@
 #include "runtime/cuda_support.h"
 
+#include <cstdlib>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
 #ifdef RDMARPC_HAVE_CUDA
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+
+#include "runtime/first_fit.h"
 #endif
 
 namespace rdmarpc::internal {
@@ -41,6 +53,253 @@ Status CudaError(const char* what, cudaError_t err) {
                                           " (", cudaGetErrorString(err), ")"));
 }
 
+#define RDMARPC_CUDA_RETURN_IF_ERROR(call)       \
+  do {                                           \
+    cudaError_t rdmarpc_cuda_err = (call);       \
+    if (rdmarpc_cuda_err != cudaSuccess) {       \
+      return CudaError(#call, rdmarpc_cuda_err); \
+    }                                            \
+  } while (0)
+
+Status UseDevice(int index) {
+  RDMARPC_RETURN_IF_ERROR(CudaCheckDevice(index));
+  RDMARPC_CUDA_RETURN_IF_ERROR(cudaSetDevice(index));
+  return absl::OkStatus();
+}
+
+// Driver entry points, resolved once through the runtime (no libcuda link).
+struct Driver {
+  PFN_cuDeviceGetAttribute_v2000 get_attribute = nullptr;
+  PFN_cuMemGetAddressRange_v3020 get_address_range = nullptr;
+  PFN_cuMemGetHandleForAddressRange_v11070 get_handle = nullptr;
+  PFN_cuPointerSetAttribute_v6000 set_pointer_attribute = nullptr;
+  std::string missing;  // why a pointer above is null
+};
+
+template <typename Fn>
+void Resolve(const char* name, unsigned version, Fn* fn, std::string* missing) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  cudaError_t err = cudaGetDriverEntryPointByVersion(name, &p, version,
+                                                     cudaEnableDefault, &found);
+  if (err != cudaSuccess || found != cudaDriverEntryPointSuccess ||
+      p == nullptr) {
+    absl::StrAppend(missing, missing->empty() ? "" : "; ", name,
+                    " not found in the CUDA driver");
+    return;
+  }
+  *fn = reinterpret_cast<Fn>(p);
+}
+
+const Driver& GetDriver() {
+  static const Driver driver = [] {
+    Driver d;
+    Resolve("cuDeviceGetAttribute", 2000, &d.get_attribute, &d.missing);
+    Resolve("cuMemGetAddressRange", 3020, &d.get_address_range, &d.missing);
+    Resolve("cuMemGetHandleForAddressRange", 11070, &d.get_handle, &d.missing);
+    Resolve("cuPointerSetAttribute", 6000, &d.set_pointer_attribute,
+            &d.missing);
+    return d;
+  }();
+  return driver;
+}
+
+Status DriverError(const char* what, CUresult r) {
+  return absl::InternalError(
+      absl::StrCat(what, " failed with CUresult ", static_cast<int>(r)));
+}
+
+// Pinned host memory in regions that are never freed (see the header).
+class PinnedPool {
+ public:
+  PinnedPool() {
+    limit_ = uint64_t{4} << 30;
+    if (const char* env = std::getenv("RDMARPC_CUDA_STAGING_BYTES")) {
+      limit_ = std::strtoull(env, nullptr, 10);
+    }
+  }
+
+  StatusOr<TensorBuffer> Allocate(size_t size) {
+    size_t rounded =
+        std::max<size_t>((size + kGranule - 1) / kGranule, 1) * kGranule;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& region : regions_) {
+      if (auto at = region->fit.Take(rounded))
+        return Hand(*region, *at, size, rounded);
+    }
+    size_t grow = std::max(rounded, kRegionBytes);
+    if (total_ + grow > limit_) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("pinned staging memory is at its limit of ", limit_,
+                       " bytes (RDMARPC_CUDA_STAGING_BYTES); ", size,
+                       " more bytes do not fit"));
+    }
+    void* base = nullptr;
+    cudaError_t err = cudaHostAlloc(&base, grow, cudaHostAllocPortable);
+    if (err != cudaSuccess) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cudaHostAlloc of ", grow,
+          " bytes of pinned staging memory failed: ", cudaGetErrorString(err)));
+    }
+    total_ += grow;
+    regions_.push_back(std::make_unique<Region>(base, grow));
+    Region& region = *regions_.back();
+    return Hand(region, *region.fit.Take(rounded), size, rounded);
+  }
+
+ private:
+  static constexpr size_t kGranule = 4096;
+  static constexpr size_t kRegionBytes = size_t{64} << 20;
+
+  struct Region {
+    Region(void* b, size_t n) : base(static_cast<char*>(b)), fit(n) {}
+    char* base;
+    FirstFit fit;
+  };
+
+  TensorBuffer Hand(Region& region, size_t at, size_t size, size_t rounded) {
+    std::shared_ptr<const void> owner(
+        region.base + at, [this, &region, at, rounded](const void*) {
+          std::lock_guard<std::mutex> lock(mu_);
+          region.fit.Give(at, rounded);
+        });
+    return TensorBuffer::Share(std::move(owner), region.base + at, size);
+  }
+
+  std::mutex mu_;
+  uint64_t limit_;
+  uint64_t total_ = 0;
+  std::vector<std::unique_ptr<Region>> regions_;
+};
+
+PinnedPool& Pinned() {
+  static PinnedPool* pool = new PinnedPool();  // lives as long as the process
+  return *pool;
+}
+
+class EventFence final : public CudaFence {
+ public:
+  EventFence(int gpu, cudaEvent_t event) : gpu_(gpu), event_(event) {}
+  ~EventFence() override {
+    cudaSetDevice(gpu_);
+    cudaEventDestroy(event_);
+  }
+  Status Wait() override {
+    RDMARPC_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(event_));
+    return absl::OkStatus();
+  }
+  cudaEvent_t event() const { return event_; }
+
+ private:
+  int gpu_;
+  cudaEvent_t event_;
+};
+
+// One non-blocking copy stream per GPU, created on first use.
+StatusOr<cudaStream_t> CopyStream(int gpu) {
+  static std::mutex mu;
+  static std::vector<cudaStream_t> streams;
+  RDMARPC_RETURN_IF_ERROR(UseDevice(gpu));
+  std::lock_guard<std::mutex> lock(mu);
+  if (streams.size() <= static_cast<size_t>(gpu)) streams.resize(gpu + 1);
+  if (streams[gpu] == nullptr) {
+    RDMARPC_CUDA_RETURN_IF_ERROR(
+        cudaStreamCreateWithFlags(&streams[gpu], cudaStreamNonBlocking));
+  }
+  return streams[gpu];
+}
+
+// Queues `fn` on `stream`; it runs on CUDA's host-function thread.
+Status LaunchHost(cudaStream_t stream, std::function<void()> fn) {
+  auto* boxed = new std::function<void()>(std::move(fn));
+  cudaError_t err = cudaLaunchHostFunc(
+      stream,
+      [](void* arg) {
+        std::unique_ptr<std::function<void()>> f(
+            static_cast<std::function<void()>*>(arg));
+        (*f)();
+      },
+      boxed);
+  if (err != cudaSuccess) {
+    delete boxed;
+    return CudaError("cudaLaunchHostFunc", err);
+  }
+  return absl::OkStatus();
+}
+
+Status WaitOn(cudaStream_t stream, const CudaFence* after) {
+  if (after == nullptr) return absl::OkStatus();
+  const auto* fence = static_cast<const EventFence*>(after);
+  RDMARPC_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, fence->event(), 0));
+  return absl::OkStatus();
+}
+
+constexpr size_t kStagingChunk = size_t{4} << 20;
+
+// A pageable host side: copy through two pinned chunks so that the CPU
+// copy of one overlaps the DMA of the other.
+Status CopyViaPinned(int gpu, void* dst, Device dst_device, const void* src,
+                     Device src_device, size_t size) {
+  RDMARPC_ASSIGN_OR_RETURN(cudaStream_t stream, CopyStream(gpu));
+  RDMARPC_ASSIGN_OR_RETURN(TensorBuffer bounce,
+                           AllocatePinnedStaging(2 * kStagingChunk));
+  cudaEvent_t done[2];
+  for (auto& e : done) {
+    RDMARPC_CUDA_RETURN_IF_ERROR(
+        cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  }
+  auto cleanup = [&] {
+    for (auto& e : done) cudaEventDestroy(e);
+  };
+  const bool to_device = dst_device.is_cuda();
+  char* slots[2] = {static_cast<char*>(bounce.data()),
+                    static_cast<char*>(bounce.data()) + kStagingChunk};
+  size_t offsets[2] = {0, 0};
+  size_t lengths[2] = {0, 0};
+  bool busy[2] = {false, false};
+  Status status;
+  auto drain = [&](int k) -> Status {
+    if (!busy[k]) return absl::OkStatus();
+    busy[k] = false;
+    cudaError_t err = cudaEventSynchronize(done[k]);
+    if (err != cudaSuccess) return CudaError("cudaEventSynchronize", err);
+    if (!to_device) {
+      std::memcpy(static_cast<char*>(dst) + offsets[k], slots[k], lengths[k]);
+    }
+    return absl::OkStatus();
+  };
+  for (size_t offset = 0, k = 0; offset < size && status.ok();
+       offset += kStagingChunk, k ^= 1) {
+    status = drain(static_cast<int>(k));
+    if (!status.ok()) break;
+    size_t n = std::min(kStagingChunk, size - offset);
+    cudaError_t err;
+    if (to_device) {
+      std::memcpy(slots[k], static_cast<const char*>(src) + offset, n);
+      err = cudaMemcpyAsync(static_cast<char*>(dst) + offset, slots[k], n,
+                            cudaMemcpyDefault, stream);
+    } else {
+      err = cudaMemcpyAsync(slots[k], static_cast<const char*>(src) + offset, n,
+                            cudaMemcpyDefault, stream);
+    }
+    if (err == cudaSuccess) err = cudaEventRecord(done[k], stream);
+    if (err != cudaSuccess) {
+      status = CudaError("cudaMemcpyAsync", err);
+      break;
+    }
+    offsets[k] = offset;
+    lengths[k] = n;
+    busy[k] = true;
+  }
+  for (int k = 0; k < 2; ++k) {
+    Status drained = drain(k);
+    if (status.ok()) status = drained;
+  }
+  (void)src_device;
+  cleanup();
+  return status;
+}
+
 }  // namespace
 
 int CudaDeviceCountCached() { return Probe().count; }
@@ -56,11 +315,9 @@ Status CudaCheckDevice(int index) {
 }
 
 StatusOr<TensorBuffer> CudaAllocate(size_t size, int index) {
-  RDMARPC_RETURN_IF_ERROR(CudaCheckDevice(index));
-  cudaError_t err = cudaSetDevice(index);
-  if (err != cudaSuccess) return CudaError("cudaSetDevice", err);
+  RDMARPC_RETURN_IF_ERROR(UseDevice(index));
   void* p = nullptr;
-  err = cudaMalloc(&p, size == 0 ? 1 : size);
+  cudaError_t err = cudaMalloc(&p, size == 0 ? 1 : size);
   if (err != cudaSuccess) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cudaMalloc of ", size, " bytes on cuda:", index,
@@ -73,16 +330,154 @@ StatusOr<TensorBuffer> CudaAllocate(size_t size, int index) {
   return TensorBuffer::Share(std::move(owner), p, size, Device::Cuda(index));
 }
 
+bool CudaIsPinnedHost(const void* ptr) {
+  if (Probe().count == 0) return false;
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error state
+    return false;
+  }
+  return attr.type == cudaMemoryTypeHost;
+}
+
 Status CudaCopy(void* dst, Device dst_device, const void* src,
                 Device src_device, size_t size) {
   const Device& gpu = dst_device.is_cuda() ? dst_device : src_device;
-  RDMARPC_RETURN_IF_ERROR(CudaCheckDevice(gpu.index));
-  cudaError_t err = cudaSetDevice(gpu.index);
-  if (err != cudaSuccess) return CudaError("cudaSetDevice", err);
+  RDMARPC_RETURN_IF_ERROR(UseDevice(gpu.index));
+  const void* host = dst_device.is_host()   ? dst
+                     : src_device.is_host() ? src
+                                            : nullptr;
+  if (host != nullptr && size > kStagingChunk && !CudaIsPinnedHost(host)) {
+    Status staged =
+        CopyViaPinned(gpu.index, dst, dst_device, src, src_device, size);
+    if (staged.code() != StatusCode::kResourceExhausted) return staged;
+    // No pinned memory to spare: let CUDA stage it.
+  }
   // cudaMemcpyDefault: unified addressing tells the direction, including
   // device to device across GPUs.
-  err = cudaMemcpy(dst, src, size, cudaMemcpyDefault);
-  if (err != cudaSuccess) return CudaError("cudaMemcpy", err);
+  RDMARPC_CUDA_RETURN_IF_ERROR(cudaMemcpy(dst, src, size, cudaMemcpyDefault));
+  return absl::OkStatus();
+}
+
+StatusOr<TensorBuffer> AllocatePinnedStaging(size_t size) {
+  RDMARPC_RETURN_IF_ERROR(CudaCheckDevice(0));
+  return Pinned().Allocate(size);
+}
+
+StatusOr<std::shared_ptr<CudaFence>> CudaRecordFence(int gpu, void* stream) {
+  RDMARPC_RETURN_IF_ERROR(UseDevice(gpu));
+  cudaEvent_t event;
+  RDMARPC_CUDA_RETURN_IF_ERROR(
+      cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  auto fence = std::make_shared<EventFence>(gpu, event);
+  RDMARPC_CUDA_RETURN_IF_ERROR(
+      cudaEventRecord(event, static_cast<cudaStream_t>(stream)));
+  return std::shared_ptr<CudaFence>(std::move(fence));
+}
+
+Status CudaCopyInChunks(int gpu, const CudaFence* after, void* dst,
+                        Device dst_device, const void* src, Device src_device,
+                        size_t size, size_t chunk,
+                        std::function<void(size_t, size_t)> on_chunk) {
+  (void)dst_device;
+  (void)src_device;
+  RDMARPC_ASSIGN_OR_RETURN(cudaStream_t stream, CopyStream(gpu));
+  RDMARPC_RETURN_IF_ERROR(WaitOn(stream, after));
+  auto shared = std::make_shared<std::function<void(size_t, size_t)>>(
+      std::move(on_chunk));
+  for (size_t offset = 0; offset < size; offset += chunk) {
+    size_t n = std::min(chunk, size - offset);
+    RDMARPC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        static_cast<char*>(dst) + offset,
+        static_cast<const char*>(src) + offset, n, cudaMemcpyDefault, stream));
+    RDMARPC_RETURN_IF_ERROR(
+        LaunchHost(stream, [shared, offset, n] { (*shared)(offset, n); }));
+  }
+  return absl::OkStatus();
+}
+
+Status CudaThen(int gpu, const CudaFence* after, std::function<void()> fn) {
+  RDMARPC_ASSIGN_OR_RETURN(cudaStream_t stream, CopyStream(gpu));
+  RDMARPC_RETURN_IF_ERROR(WaitOn(stream, after));
+  return LaunchHost(stream, std::move(fn));
+}
+
+Status CudaCopyOrdered(void* dst, Device dst_device, const void* src,
+                       Device src_device, size_t size,
+                       const ConsumerStream* consumer, TensorBuffer keep) {
+  const Device& gpu = dst_device.is_cuda() ? dst_device : src_device;
+  RDMARPC_ASSIGN_OR_RETURN(cudaStream_t stream, CopyStream(gpu.index));
+  RDMARPC_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(dst, src, size, cudaMemcpyDefault, stream));
+  RDMARPC_ASSIGN_OR_RETURN(std::shared_ptr<CudaFence> done,
+                           CudaRecordFence(gpu.index, stream));
+  if (consumer == nullptr) return done->Wait();
+  const auto* event = static_cast<const EventFence*>(done.get());
+  RDMARPC_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(
+      static_cast<cudaStream_t>(consumer->stream), event->event(), 0));
+  // Released on the host-function thread: bookkeeping only (pinned pool).
+  return LaunchHost(
+      stream, [keep = std::move(keep)]() mutable { keep = TensorBuffer(); });
+}
+
+Status CudaDmaBufSupported(int gpu) {
+  RDMARPC_RETURN_IF_ERROR(CudaCheckDevice(gpu));
+  const Driver& d = GetDriver();
+  if (d.get_attribute == nullptr || d.get_handle == nullptr ||
+      d.get_address_range == nullptr) {
+    return absl::FailedPreconditionError(d.missing);
+  }
+  int supported = 0;
+  CUresult r =
+      d.get_attribute(&supported, CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, gpu);
+  if (r != CUDA_SUCCESS) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuDeviceGetAttribute(DMA_BUF_SUPPORTED) failed with CUresult ",
+        static_cast<int>(r)));
+  }
+  if (!supported) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuda:", gpu,
+        " cannot export dma-bufs (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0: "
+        "needs an open-source kernel driver and Linux 5.12 or later)"));
+  }
+  return absl::OkStatus();
+}
+
+StatusOr<DmaBufRange> CudaExportDmaBuf(const void* ptr, size_t size) {
+  const Driver& d = GetDriver();
+  if (d.get_handle == nullptr || d.get_address_range == nullptr) {
+    return absl::FailedPreconditionError(d.missing);
+  }
+  CUdeviceptr base = 0;
+  size_t alloc_size = 0;
+  CUresult r = d.get_address_range(&base, &alloc_size,
+                                   reinterpret_cast<CUdeviceptr>(ptr));
+  if (r != CUDA_SUCCESS) return DriverError("cuMemGetAddressRange", r);
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  uintptr_t start = static_cast<uintptr_t>(base) & ~(page - 1);
+  uintptr_t end =
+      (static_cast<uintptr_t>(base) + alloc_size + page - 1) & ~(page - 1);
+  if (reinterpret_cast<uintptr_t>(ptr) + size > end) {
+    return absl::InvalidArgumentError(
+        "device range runs past the end of its allocation");
+  }
+  int fd = -1;
+  r = d.get_handle(&fd, static_cast<CUdeviceptr>(start), end - start,
+                   CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0);
+  if (r != CUDA_SUCCESS) return DriverError("cuMemGetHandleForAddressRange", r);
+  return DmaBufRange{fd, reinterpret_cast<uintptr_t>(ptr) - start};
+}
+
+Status CudaSetSyncMemops(const void* ptr) {
+  const Driver& d = GetDriver();
+  if (d.set_pointer_attribute == nullptr) {
+    return absl::FailedPreconditionError(d.missing);
+  }
+  unsigned int one = 1;
+  CUresult r = d.set_pointer_attribute(&one, CU_POINTER_ATTRIBUTE_SYNC_MEMOPS,
+                                       reinterpret_cast<CUdeviceptr>(ptr));
+  if (r != CUDA_SUCCESS) return DriverError("cuPointerSetAttribute", r);
   return absl::OkStatus();
 }
 
@@ -102,6 +497,28 @@ StatusOr<TensorBuffer> CudaAllocate(size_t, int) { return NotBuilt(); }
 Status CudaCopy(void*, Device, const void*, Device, size_t) {
   return NotBuilt();
 }
+StatusOr<TensorBuffer> AllocatePinnedStaging(size_t) { return NotBuilt(); }
+bool CudaIsPinnedHost(const void*) { return false; }
+StatusOr<std::shared_ptr<CudaFence>> CudaRecordFence(int, void*) {
+  return NotBuilt();
+}
+Status CudaCopyInChunks(int, const CudaFence*, void*, Device, const void*,
+                        Device, size_t, size_t,
+                        std::function<void(size_t, size_t)>) {
+  return NotBuilt();
+}
+Status CudaThen(int, const CudaFence*, std::function<void()>) {
+  return NotBuilt();
+}
+Status CudaCopyOrdered(void*, Device, const void*, Device, size_t,
+                       const ConsumerStream*, TensorBuffer) {
+  return NotBuilt();
+}
+Status CudaDmaBufSupported(int) { return NotBuilt(); }
+StatusOr<DmaBufRange> CudaExportDmaBuf(const void*, size_t) {
+  return NotBuilt();
+}
+Status CudaSetSyncMemops(const void*) { return NotBuilt(); }
 
 #endif  // RDMARPC_HAVE_CUDA
 

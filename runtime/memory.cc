@@ -4,10 +4,11 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <new>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "runtime/cuda_support.h"
+#include "runtime/first_fit.h"
 
 namespace rdmarpc {
 
@@ -56,66 +57,50 @@ TensorBuffer TensorBuffer::Slice(size_t offset, size_t size) const {
 
 namespace {
 
-// First-fit allocator over one host region. Buffers return their block to
-// the free list when their last copy is destroyed.
-class HostMemoryPool final : public MemoryPool {
+// A pool over one region: host memory or one cudaMalloc. Buffers return
+// their block when their last copy is destroyed.
+class RegionPool final : public MemoryPool {
  public:
-  HostMemoryPool(void* base, size_t capacity)
-      : base_(static_cast<char*>(base)), capacity_(capacity) {
-    free_[0] = capacity;
-  }
-  ~HostMemoryPool() override { std::free(base_); }
+  RegionPool(std::shared_ptr<void> region, size_t capacity, Device device)
+      : region_(std::move(region)),
+        base_(static_cast<char*>(region_.get())),
+        capacity_(capacity),
+        device_(device),
+        fit_(capacity) {}
 
   StatusOr<TensorBuffer> Allocate(size_t size) override {
     size_t rounded = (size + kGranule - 1) / kGranule * kGranule;
     if (rounded == 0) rounded = kGranule;
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto it = free_.begin(); it != free_.end(); ++it) {
-      if (it->second < rounded) continue;
-      size_t offset = it->first;
-      size_t left = it->second - rounded;
-      free_.erase(it);
-      if (left > 0) free_[offset + rounded] = left;
-      std::shared_ptr<const void> owner(
-          base_ + offset,
-          [this, offset, rounded](const void*) { Release(offset, rounded); });
-      return TensorBuffer::Share(std::move(owner), base_ + offset, size);
+    std::optional<size_t> offset = fit_.Take(rounded);
+    if (!offset) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(device_.ToString(), " memory pool of ", capacity_,
+                       " bytes has no free block of ", rounded, " bytes"));
     }
-    return absl::ResourceExhaustedError(
-        absl::StrCat("host memory pool of ", capacity_,
-                     " bytes has no free block of ", rounded, " bytes"));
+    std::shared_ptr<const void> owner(
+        base_ + *offset, [this, at = *offset, rounded](const void*) {
+          std::lock_guard<std::mutex> lock(mu_);
+          fit_.Give(at, rounded);
+        });
+    return TensorBuffer::Share(std::move(owner), base_ + *offset, size,
+                               device_);
   }
 
   std::vector<Region> Regions() const override {
-    return {Region{base_, capacity_, Device::Host()}};
+    return {Region{base_, capacity_, device_}};
   }
-  Device device() const override { return Device::Host(); }
+  Device device() const override { return device_; }
 
  private:
   static constexpr size_t kGranule = 64;
 
-  void Release(size_t offset, size_t size) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto [it, inserted] = free_.emplace(offset, size);
-    // Merge with the following and the preceding free blocks.
-    auto next = std::next(it);
-    if (next != free_.end() && it->first + it->second == next->first) {
-      it->second += next->second;
-      free_.erase(next);
-    }
-    if (it != free_.begin()) {
-      auto prev = std::prev(it);
-      if (prev->first + prev->second == it->first) {
-        prev->second += it->second;
-        free_.erase(it);
-      }
-    }
-  }
-
+  std::shared_ptr<void> region_;
   char* base_;
   size_t capacity_;
+  Device device_;
   std::mutex mu_;
-  std::map<size_t, size_t> free_;  // offset -> size
+  internal::FirstFit fit_;
 };
 
 }  // namespace
@@ -125,7 +110,69 @@ std::unique_ptr<MemoryPool> NewHostMemoryPool(size_t capacity) {
   if (rounded == 0) rounded = 4096;
   void* base = std::aligned_alloc(4096, rounded);
   if (base == nullptr) return nullptr;
-  return std::make_unique<HostMemoryPool>(base, rounded);
+  return std::make_unique<RegionPool>(
+      std::shared_ptr<void>(base, [](void* p) { std::free(p); }), rounded,
+      Device::Host());
+}
+
+StatusOr<std::unique_ptr<MemoryPool>> NewCudaMemoryPool(int index,
+                                                        size_t capacity) {
+  size_t rounded = (capacity + 4095) / 4096 * 4096;
+  if (rounded == 0) rounded = 4096;
+  RDMARPC_ASSIGN_OR_RETURN(TensorBuffer region,
+                           internal::CudaAllocate(rounded, index));
+  // The region's owner frees the cudaMalloc when the pool goes.
+  auto keep = std::make_shared<TensorBuffer>(region);
+  std::shared_ptr<void> base(region.data(),
+                             [keep](void*) mutable { keep.reset(); });
+  return std::unique_ptr<MemoryPool>(std::make_unique<RegionPool>(
+      std::move(base), rounded, Device::Cuda(index)));
+}
+
+namespace internal {
+
+StatusOr<TensorBuffer> AllocateGpuLanding(int gpu, size_t size) {
+  RDMARPC_RETURN_IF_ERROR(CudaCheckDevice(gpu));
+  static std::mutex mu;
+  // Pools live as long as the process: landed tensors may outlive anything.
+  static auto* pools = new std::map<int, std::unique_ptr<MemoryPool>>();
+  MemoryPool* pool = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    // A pool that could not be created is not tried again: null stays.
+    auto [it, first] = pools->try_emplace(gpu);
+    auto& slot = it->second;
+    if (first) {
+      uint64_t bytes = uint64_t{1} << 30;
+      if (const char* env = std::getenv("RDMARPC_CUDA_LANDING_POOL_BYTES")) {
+        bytes = std::strtoull(env, nullptr, 10);
+      }
+      auto created = NewCudaMemoryPool(gpu, bytes);
+      if (created.ok()) slot = *std::move(created);
+    }
+    pool = slot.get();
+  }
+  if (pool != nullptr) {
+    auto buffer = pool->Allocate(size);
+    if (buffer.ok()) return buffer;
+  }
+  return CudaAllocate(size, gpu);
+}
+
+}  // namespace internal
+
+const char* GpuRdmaModeName(GpuRdmaMode mode) {
+  switch (mode) {
+    case GpuRdmaMode::kAuto:
+      return "auto";
+    case GpuRdmaMode::kDmaBuf:
+      return "dma-buf";
+    case GpuRdmaMode::kPeerMemory:
+      return "peer-memory";
+    case GpuRdmaMode::kStaging:
+      return "staging";
+  }
+  return "unknown";
 }
 
 int CudaDeviceCount() { return internal::CudaDeviceCountCached(); }

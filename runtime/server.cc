@@ -36,6 +36,10 @@ const std::multimap<std::string, std::string>& ServerContext::client_metadata()
 }
 CallTensors& ServerContext::tensors() { return state_->tensors; }
 
+void ServerContext::set_cuda_stream(void* stream) {
+  state_->cuda_stream = stream;
+}
+
 namespace internal {
 
 class ServerDispatcher final : public Dispatcher {
@@ -173,6 +177,18 @@ ServerBuilder& ServerBuilder::SetMethodTensorPlacement(std::string method_path,
   return *this;
 }
 
+ServerBuilder& ServerBuilder::SetFieldTensorPlacement(std::string method_path,
+                                                      std::string field_name,
+                                                      Device device) {
+  field_placement_[{std::move(method_path), std::move(field_name)}] = device;
+  return *this;
+}
+
+ServerBuilder& ServerBuilder::SetGpuRdmaMode(GpuRdmaMode mode) {
+  gpu_rdma_mode_ = mode;
+  return *this;
+}
+
 ServerBuilder& ServerBuilder::SetMaxRequestTensorBytes(uint64_t bytes) {
   max_request_tensor_bytes_ = bytes;
   return *this;
@@ -203,16 +219,18 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
     return absl::InvalidArgumentError(
         "ServerBuilder: no listening port; call AddListeningPort()");
   }
+  const Device default_placement = placement_.value_or(
+      CudaDeviceCount() > 0 ? Device::Cuda(0) : Device::Host());
   absl::flat_hash_map<std::string, internal::ServerMethod> methods;
   for (Service* service : services_) {
     if (service == nullptr) {
       return absl::InvalidArgumentError("ServerBuilder: null service");
     }
     for (const MethodDescriptor& m : service->methods()) {
-      Device placement = placement_;
+      internal::TensorPlacement placement(default_placement);
       if (auto it = method_placement_.find(m.path);
           it != method_placement_.end()) {
-        placement = it->second;
+        placement.device = it->second;
       }
       if (!methods.emplace(m.path, internal::ServerMethod{m, placement})
                .second) {
@@ -227,14 +245,33 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
           "ServerBuilder: placement set for unknown method ", path));
     }
   }
+  for (const auto& [key, device] : field_placement_) {
+    const auto& [path, field_name] = key;
+    auto it = methods.find(path);
+    if (it == methods.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ServerBuilder: placement set for unknown method ", path));
+    }
+    const google::protobuf::Descriptor* request =
+        it->second.descriptor.request_prototype->GetDescriptor();
+    const google::protobuf::FieldDescriptor* field =
+        request->FindFieldByName(field_name);
+    if (field == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ServerBuilder: placement set for field ", field_name,
+                       ", which ", request->full_name(), " does not have"));
+    }
+    it->second.placement.by_field[field->number()] = device;
+  }
   // Placement on a GPU this process cannot use is a configuration error.
   for (const auto& [path, m] : methods) {
-    if (!m.placement.is_host()) {
-      Status s = CudaDeviceStatus(m.placement.index);
+    for (const Device& d : m.placement.Devices()) {
+      if (d.is_host()) continue;
+      Status s = CudaDeviceStatus(d.index);
       if (!s.ok()) {
         return absl::InvalidArgumentError(
             absl::StrCat("ServerBuilder: tensors of ", path, " placed on ",
-                         m.placement.ToString(), ": ", s.message()));
+                         d.ToString(), ": ", s.message()));
       }
     }
   }
@@ -256,6 +293,7 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
     rdma::RdmaServerOptions options;
     options.receives = rdma_receives_;
     options.landing_pool_bytes = rdma_landing_pool_bytes_;
+    options.gpu_rdma_mode = gpu_rdma_mode_;
     auto started =
         rdma::RdmaServerTransport::Start(server->dispatcher_.get(), options);
     if (started.ok()) {

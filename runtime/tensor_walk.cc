@@ -34,7 +34,9 @@ bool MayHoldTensor(
   return false;
 }
 
-Status Walk(const Message& msg, std::vector<const Tensor*>* out, int depth) {
+// `top`, when given, receives the top-level field number of each tensor.
+Status Walk(const Message& msg, std::vector<const Tensor*>* out, int depth,
+            std::vector<int>* top, int top_field) {
   if (depth > kMaxDepth) {
     return absl::InvalidArgumentError(
         absl::StrCat("message nesting deeper than ", kMaxDepth));
@@ -55,9 +57,11 @@ Status Walk(const Message& msg, std::vector<const Tensor*>* out, int depth) {
       continue;
     }
     const bool tensor = IsTensor(f->message_type());
+    const int field = depth == 0 ? f->number() : top_field;
     auto visit = [&](const Message& sub) -> Status {
-      if (!tensor) return Walk(sub, out, depth + 1);
+      if (!tensor) return Walk(sub, out, depth + 1, top, field);
       out->push_back(static_cast<const Tensor*>(&sub));
+      if (top != nullptr) top->push_back(field);
       return absl::OkStatus();
     };
     if (f->is_repeated()) {
@@ -79,7 +83,14 @@ Status CollectTensors(const Message& msg, std::vector<const Tensor*>* out) {
     return absl::InvalidArgumentError(
         "a call's message cannot itself be an rdmarpc.Tensor; wrap it");
   }
-  return Walk(msg, out, 0);
+  return Walk(msg, out, 0, nullptr, 0);
+}
+
+Status CollectTensorTopFields(const Message& msg, std::vector<int>* out) {
+  out->clear();
+  std::vector<const Tensor*> tensors;
+  if (IsTensor(msg.GetDescriptor())) return CollectTensors(msg, &tensors);
+  return Walk(msg, &tensors, 0, out, 0);
 }
 
 Status CollectMutableTensors(Message* msg, std::vector<Tensor*>* out) {

@@ -20,6 +20,10 @@ Status CollectTensors(const google::protobuf::Message& msg,
                       std::vector<const Tensor*>* out);
 Status CollectMutableTensors(google::protobuf::Message* msg,
                              std::vector<Tensor*>* out);
+// The number of the top-level field of `msg` that holds each tensor, in
+// walk order.
+Status CollectTensorTopFields(const google::protobuf::Message& msg,
+                              std::vector<int>* out);
 
 }  // namespace rdmarpc::internal
 

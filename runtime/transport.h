@@ -20,6 +20,7 @@
 #include "rdmarpc/client_context.h"
 #include "rdmarpc/server.h"
 #include "rdmarpc/status.h"
+#include "runtime/codec.h"
 
 namespace rdmarpc::internal {
 
@@ -54,7 +55,7 @@ class ClientTransport {
 // A method as the server knows it: the user's descriptor plus placement.
 struct ServerMethod {
   MethodDescriptor descriptor;
-  Device placement;
+  TensorPlacement placement;
 };
 
 // Server-side state of one call, shared by the transport (which fills it
@@ -85,6 +86,7 @@ class ServerCallState {
   std::optional<std::chrono::system_clock::time_point> deadline;
   std::multimap<std::string, std::string> client_metadata;
   CallTensors tensors;
+  void* cuda_stream = nullptr;  // ServerContext::set_cuda_stream
   std::atomic<bool> cancelled{false};
 
  private:

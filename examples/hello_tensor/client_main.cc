@@ -2,7 +2,10 @@
 // sizes and prints, per call, the transport that carried it and why.
 //
 //   hello_tensor_client [--target=localhost:50051] [--policy=auto|rdma|grpc]
-//                       [--verbose]
+//                       [--device=host|cuda] [--verbose]
+//
+// --device=cuda sends the input from, and lands the output in, GPU 0's
+// memory, and prints how RDMA reached it (dma-buf, peer-memory, staging).
 //
 // --verbose also prints the channel's transport health at the end: its
 // state, switches between RDMA and gRPC, the last trigger and calls per
@@ -19,18 +22,31 @@ int main(int argc, char** argv) {
   std::string target = "localhost:50051";
   std::string policy_name = "auto";
   bool verbose = false;
+  rdmarpc::Device device = rdmarpc::Device::Host();
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg.rfind("--target=", 0) == 0) {
       target = arg.substr(9);
     } else if (arg.rfind("--policy=", 0) == 0) {
       policy_name = arg.substr(9);
+    } else if (arg == "--device=host") {
+      device = rdmarpc::Device::Host();
+    } else if (arg == "--device=cuda") {
+      device = rdmarpc::Device::Cuda(0);
     } else if (arg == "--verbose") {
       verbose = true;
     } else {
       std::cerr << "usage: " << argv[0]
                 << " [--target=host:port] [--policy=auto|rdma|grpc]"
-                   " [--verbose]\n";
+                   " [--device=host|cuda] [--verbose]\n";
+      return 2;
+    }
+  }
+  if (device.is_cuda()) {
+    rdmarpc::Status gpu = rdmarpc::CudaDeviceStatus(device.index);
+    if (!gpu.ok()) {
+      std::cerr << "hello_tensor_client: --device=cuda: " << gpu.message()
+                << "\n";
       return 2;
     }
   }
@@ -52,24 +68,35 @@ int main(int argc, char** argv) {
     std::vector<float> input(elements);
     for (size_t i = 0; i < elements; ++i)
       input[i] = static_cast<float>(i % 1000);
+    const size_t bytes = input.size() * sizeof(float);
     rdmarpc::ClientContext ctx;
     ctx.set_timeout(std::chrono::seconds(30));
+    ctx.set_response_placement(device);
     hello::ScaleRequest req;
     req.set_name("hello_tensor_client");
     req.set_factor(2.0f);
-    rdmarpc::Status s =
-        ctx.tensors().Set(req.mutable_input(), rdmarpc::DTYPE_F32,
-                          {static_cast<int64_t>(elements)},
-                          rdmarpc::TensorBuffer::Borrow(
-                              input.data(), input.size() * sizeof(float)));
+    auto buffer = rdmarpc::TensorBuffer::Allocate(bytes, device);
+    rdmarpc::Status s = buffer.status();
+    if (s.ok()) {
+      s = rdmarpc::CopyBytes(buffer->data(), device, input.data(),
+                             rdmarpc::Device::Host(), bytes);
+    }
+    if (s.ok()) {
+      s = ctx.tensors().Set(req.mutable_input(), rdmarpc::DTYPE_F32,
+                            {static_cast<int64_t>(elements)}, *buffer);
+    }
     hello::ScaleResponse resp;
     if (s.ok()) s = stub->Scale(&ctx, req, &resp);
     std::string verdict;
     if (s.ok()) {
       auto out = ctx.tensors().Get(resp.output());
-      bool right = out.ok() && out->size() == input.size() * sizeof(float);
+      std::vector<float> got(elements);
+      bool right = out.ok() && out->size() == bytes &&
+                   rdmarpc::CopyBytes(got.data(), rdmarpc::Device::Host(),
+                                      out->data(), out->device(), bytes)
+                       .ok();
       for (size_t i = 0; right && i < elements; ++i) {
-        right = out->host_data<float>()[i] == input[i] * 2.0f;
+        right = got[i] == input[i] * 2.0f;
       }
       verdict = right ? "ok, output checked" : "WRONG OUTPUT";
       if (!right) ++failures;
@@ -87,6 +114,13 @@ int main(int argc, char** argv) {
         static_cast<unsigned long long>(st.tensor_bytes_sent),
         static_cast<unsigned long long>(st.tensor_bytes_received),
         static_cast<unsigned long long>(st.cpu_copied_bytes));
+    if (device.is_cuda()) {
+      std::printf(
+          "  GPU memory: %s\n",
+          st.gpu_rdma_mode.empty()
+              ? "not over RDMA (gRPC stages it through host memory)"
+              : (st.gpu_rdma_mode + ", because " + st.gpu_rdma_reason).c_str());
+    }
     if (s.ok() && call == 1)
       std::printf("  server said: %s\n", resp.greeting().c_str());
   }

@@ -23,18 +23,31 @@ class ScaleService final : public hello::TensorService::Service {
                         hello::ScaleResponse* resp) override {
     RDMARPC_ASSIGN_OR_RETURN(rdmarpc::TensorView in,
                              ctx->tensors().Get(req.input()));
-    if (in.dtype() != rdmarpc::DTYPE_F32 || !in.device().is_host()) {
-      return absl::InvalidArgumentError("input must be an f32 host tensor");
+    if (in.dtype() != rdmarpc::DTYPE_F32) {
+      return absl::InvalidArgumentError("input must be an f32 tensor");
     }
-    RDMARPC_ASSIGN_OR_RETURN(rdmarpc::TensorBuffer out,
+    // The input lands where the server placed it: its GPU when it has one
+    // (the default), else host memory. This handler scales on the CPU and
+    // answers from the same device the input came in on.
+    const rdmarpc::Device device = in.device();
+    RDMARPC_ASSIGN_OR_RETURN(rdmarpc::TensorBuffer host,
                              rdmarpc::TensorBuffer::Allocate(in.size()));
-    const float* src = in.host_data<float>();
-    float* dst = static_cast<float*>(out.data());
+    RDMARPC_RETURN_IF_ERROR(rdmarpc::CopyBytes(
+        host.data(), rdmarpc::Device::Host(), in.data(), device, in.size()));
+    float* values = static_cast<float*>(host.data());
     for (size_t i = 0; i < in.size() / sizeof(float); ++i) {
-      dst[i] = src[i] * req.factor();
+      values[i] *= req.factor();
+    }
+    rdmarpc::TensorBuffer out = host;
+    if (device.is_cuda()) {
+      RDMARPC_ASSIGN_OR_RETURN(
+          out, rdmarpc::TensorBuffer::Allocate(in.size(), device));
+      RDMARPC_RETURN_IF_ERROR(rdmarpc::CopyBytes(
+          out.data(), device, host.data(), rdmarpc::Device::Host(), in.size()));
     }
     resp->set_greeting("hello, " + req.name() + " (served over " +
-                       rdmarpc::TransportName(ctx->transport()) + ")");
+                       rdmarpc::TransportName(ctx->transport()) +
+                       ", input landed in " + device.ToString() + " memory)");
     return ctx->tensors().Set(resp->mutable_output(), rdmarpc::DTYPE_F32,
                               in.shape(), std::move(out));
   }

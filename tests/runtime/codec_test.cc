@@ -42,6 +42,21 @@ TEST(TensorWalkTest, DepthFirstInFieldNumberOrder) {
   }
 }
 
+TEST(TensorPlacementTest, FieldsPlacedApartOverrideTheDefault) {
+  Outer o = Sample();  // first (1), extras (2) x2, layers (3): 3 tensors
+  TensorPlacement where(Device::Cuda(0));
+  where.by_field[2] = Device::Host();  // extras
+  auto devices = where.Resolve(o);
+  ASSERT_TRUE(devices.ok()) << devices.status();
+  EXPECT_EQ(*devices, (std::vector<Device>{Device::Cuda(0), Device::Host(),
+                                           Device::Host(), Device::Cuda(0),
+                                           Device::Cuda(0), Device::Cuda(0)}));
+  std::vector<int> top;
+  ASSERT_TRUE(CollectTensorTopFields(o, &top).ok());
+  EXPECT_EQ(top, (std::vector<int>{1, 2, 2, 3, 3, 3}));
+  EXPECT_EQ(where.Devices().size(), 2u);
+}
+
 TEST(TensorWalkTest, MapsHoldingTensorsAreRefused) {
   Outer o;
   (*o.mutable_labels())["k"] = "v";  // a map without tensors is fine

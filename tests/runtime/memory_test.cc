@@ -1,8 +1,13 @@
 #include "rdmarpc/memory.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
+#include <cstdlib>
 #include <cstring>
+
+#include "runtime/cuda_support.h"
+#include "transport/rdma/gpu_registration.h"
 
 namespace rdmarpc {
 namespace {
@@ -59,6 +64,53 @@ TEST(CudaTest, UnavailableIsReportedNotFatal) {
   EXPECT_FALSE(s.message().empty());
   EXPECT_EQ(TensorBuffer::Allocate(16, Device::Cuda(0)).status().code(),
             absl::StatusCode::kUnavailable);
+}
+
+char this_is_host_memory_[64];
+
+TEST(CudaTest, GpuPoolsAndStagingReportUnavailableWithoutAGpu) {
+  if (CudaDeviceCount() > 0) GTEST_SKIP() << "this machine has a GPU";
+  auto pool = NewCudaMemoryPool(0, 1 << 20);
+  EXPECT_EQ(pool.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(pool.status().message().find("CUDA"), std::string::npos)
+      << pool.status();
+  EXPECT_EQ(internal::AllocatePinnedStaging(4096).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(internal::AllocateGpuLanding(0, 4096).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_FALSE(internal::CudaIsPinnedHost(this_is_host_memory_));
+}
+
+TEST(GpuRdmaModeTest, NamesAndEnvironmentOverride) {
+  EXPECT_STREQ(GpuRdmaModeName(GpuRdmaMode::kDmaBuf), "dma-buf");
+  EXPECT_STREQ(GpuRdmaModeName(GpuRdmaMode::kPeerMemory), "peer-memory");
+  unsetenv("RDMARPC_GPU_RDMA_MODE");
+  EXPECT_EQ(*rdma::GpuRdmaModeFromEnvironment(), GpuRdmaMode::kAuto);
+  for (GpuRdmaMode m : {GpuRdmaMode::kAuto, GpuRdmaMode::kDmaBuf,
+                        GpuRdmaMode::kPeerMemory, GpuRdmaMode::kStaging}) {
+    setenv("RDMARPC_GPU_RDMA_MODE", GpuRdmaModeName(m), 1);
+    auto parsed = rdma::GpuRdmaModeFromEnvironment();
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    EXPECT_EQ(*parsed, m);
+  }
+  setenv("RDMARPC_GPU_RDMA_MODE", "gdr", 1);
+  auto bad = rdma::GpuRdmaModeFromEnvironment();
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("dma-buf"), std::string::npos);
+  unsetenv("RDMARPC_GPU_RDMA_MODE");
+}
+
+TEST(PeerMemoryProbeTest, AgreesWithTheModulesSysfsEntry) {
+  struct stat st {};
+  const bool loaded =
+      stat("/sys/module/nvidia_peermem", &st) == 0 ||
+      stat("/sys/kernel/mm/memory_peers/nv_mem/version", &st) == 0;
+  Status probe = rdma::ProbePeerMemory();
+  EXPECT_EQ(probe.ok(), loaded) << probe;
+  if (!loaded) {
+    EXPECT_NE(probe.message().find("modprobe nvidia-peermem"),
+              std::string::npos);
+  }
 }
 
 }  // namespace

@@ -44,8 +44,9 @@ LeanHead MakeHead(std::string serialized_message,
 }
 
 StatusOr<internal::IncomingResult> AcceptHead(
-    const LeanHead& head, google::protobuf::Message* msg, Device placement,
-    uint64_t max_bytes, std::shared_ptr<const void> owner, CallTensors* tensors,
+    const LeanHead& head, google::protobuf::Message* msg,
+    const internal::TensorPlacement& placement, uint64_t max_bytes,
+    std::shared_ptr<const void> owner, CallTensors* tensors,
     std::span<const TensorBuffer> supplied) {
   if (!msg->ParseFromString(head.message())) {
     return absl::InvalidArgumentError(

@@ -39,8 +39,9 @@ LeanHead MakeHead(std::string serialized_message,
 // head describes them (see internal::AcceptIncoming for the arguments).
 // `supplied[k]`, when not empty, is where tensor k lands.
 StatusOr<internal::IncomingResult> AcceptHead(
-    const LeanHead& head, google::protobuf::Message* msg, Device placement,
-    uint64_t max_bytes, std::shared_ptr<const void> owner, CallTensors* tensors,
+    const LeanHead& head, google::protobuf::Message* msg,
+    const internal::TensorPlacement& placement, uint64_t max_bytes,
+    std::shared_ptr<const void> owner, CallTensors* tensors,
     std::span<const TensorBuffer> supplied = {});
 
 class LeanSender {

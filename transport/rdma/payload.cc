@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/tensor_walk.h"
+#include "runtime/thread_pool.h"
 #include "transport/rdma/registration.h"
 
 namespace rdmarpc::rdma {
@@ -12,6 +13,19 @@ namespace {
 
 // Head bytes one Part may take: tags, two varints, a bool.
 constexpr size_t kPartHeadBytes = 16;
+
+// Staging copies and their writes go in chunks of this size, so that the
+// copy of one chunk overlaps the write of the one before.
+constexpr size_t kStagingChunk = size_t{4} << 20;
+
+// The mode for GPU `index`; a mode that cannot work gives staging, with why.
+GpuRdmaChoice ModeFor(int index, const GpuAccess& gpu) {
+  auto choice = ChooseGpuRdmaMode(index, gpu.pd, gpu.requested);
+  if (choice.ok()) return *std::move(choice);
+  return GpuRdmaChoice{
+      GpuRdmaMode::kStaging,
+      absl::StrCat(choice.status().message(), "; staging instead")};
+}
 
 std::span<const uint8_t> Bytes(const void* data, size_t size) {
   return {static_cast<const uint8_t*>(data), size};
@@ -22,7 +36,8 @@ std::span<const uint8_t> Bytes(const void* data, size_t size) {
 StatusOr<OutgoingPayload> PlanPayload(const google::protobuf::Message& msg,
                                       const CallTensors& tensors,
                                       size_t frame_room,
-                                      uint64_t inline_threshold) {
+                                      uint64_t inline_threshold,
+                                      const GpuAccess& gpu, void* cuda_stream) {
   RDMARPC_ASSIGN_OR_RETURN(internal::OutgoingPlan plan,
                            internal::PlanOutgoing(msg, tensors));
   OutgoingPayload out;
@@ -36,47 +51,90 @@ StatusOr<OutgoingPayload> PlanPayload(const google::protobuf::Message& msg,
   size_t head_reserve = (plan.tensors.size() + 1) * kPartHeadBytes;
   size_t room = frame_room > head_reserve ? frame_room - head_reserve : 0;
   out.staged.reserve(plan.tensors.size());
-  auto add = [&](const void* data, uint64_t size, bool may_inline,
+  auto add = [&](OutgoingPayload::Source source, bool may_inline,
                  bool in_message) {
     Part part;
-    part.set_size(size);
+    part.set_size(source.size);
     if (in_message) {
       part.set_in_message(true);
-    } else if (may_inline && size <= room) {
-      room -= size;
-      out.inline_parts.push_back(Bytes(data, size));
+    } else if (may_inline && source.size <= room) {
+      room -= source.size;
+      out.inline_parts.push_back(Bytes(source.data, source.size));
     } else {
       part.set_out_of_band(true);
-      out.out_of_band.push_back({data, size});
+      out.out_of_band.push_back(source);
     }
     out.parts.push_back(std::move(part));
   };
-  add(out.message->data(), out.message->size(), true, false);
+  // The producer's work on `cuda_stream`, recorded once for every GPU part.
+  auto fence_for = [&](int index) -> Status {
+    if (out.fence != nullptr) return absl::OkStatus();
+    RDMARPC_ASSIGN_OR_RETURN(out.fence,
+                             internal::CudaRecordFence(index, cuda_stream));
+    out.fence_gpu = index;
+    return absl::OkStatus();
+  };
+  add({out.message->data(), out.message->size(), Device::Host()}, true, false);
   for (size_t i = 0; i < plan.tensors.size(); ++i) {
     const internal::OutgoingTensor& t = plan.tensors[i];
     if (!t.out_of_band) {
-      add(nullptr, t.size, false, true);
+      add({nullptr, t.size, Device::Host()}, false, true);
       continue;
     }
     bool may_inline = t.size <= inline_threshold && t.size <= room;
-    const void* data = t.buffer.data();
-    if (!t.buffer.device().is_host()) {
-      if (!may_inline) {
-        return absl::UnimplementedError(absl::StrCat(
-            "tensor #", i, " lies in ", t.buffer.device().ToString(),
-            " memory, which this build cannot register for RDMA"));
-      }
+    OutgoingPayload::Source source{t.buffer.data(), t.size, Device::Host()};
+    const Device device = t.buffer.device();
+    if (device.is_cuda() && may_inline) {
       std::string& copy = out.staged.emplace_back(t.size, '\0');
+      RDMARPC_RETURN_IF_ERROR(fence_for(device.index));
+      RDMARPC_RETURN_IF_ERROR(out.fence->Wait());
       RDMARPC_RETURN_IF_ERROR(CopyBytes(copy.data(), Device::Host(),
-                                        t.buffer.data(), t.buffer.device(),
-                                        t.size));
-      data = copy.data();
+                                        t.buffer.data(), device, t.size));
+      source.data = copy.data();
+    } else if (device.is_cuda()) {
+      RDMARPC_RETURN_IF_ERROR(fence_for(device.index));
+      GpuRdmaChoice c = ModeFor(device.index, gpu);
+      if (c.mode == GpuRdmaMode::kStaging) {
+        RDMARPC_ASSIGN_OR_RETURN(TensorBuffer pinned,
+                                 internal::AllocatePinnedStaging(t.size));
+        source.data = pinned.data();
+        source.staged_from = t.buffer.data();
+        source.gpu = device.index;
+        out.keep.push_back(std::move(pinned));
+      } else {
+        source.device = device;
+        source.mode = c.mode;
+      }
+      out.gpu_mode = GpuRdmaModeName(c.mode);
+      out.gpu_reason = std::move(c.reason);
     }
-    add(data, t.size, may_inline, false);
+    add(source, may_inline, false);
     if (may_inline) out.cpu_copied_bytes += t.size;
     out.keep.push_back(t.buffer);
   }
   return out;
+}
+
+StatusOr<std::vector<LocalMemory>> RegisterSources(const OutgoingPayload& out,
+                                                   RegistrationCache* cache,
+                                                   ibv_pd* pd) {
+  std::vector<LocalMemory> sources;
+  sources.reserve(out.out_of_band.size());
+  for (const OutgoingPayload::Source& src : out.out_of_band) {
+    if (src.device.is_cuda()) {
+      RDMARPC_ASSIGN_OR_RETURN(
+          MemoryRegion mr,
+          RegisterGpuMemory(pd, const_cast<void*>(src.data), src.size, src.mode,
+                            IBV_ACCESS_LOCAL_WRITE));
+      auto shared = std::make_shared<MemoryRegion>(std::move(mr));
+      sources.push_back(LocalMemory{(*shared)->lkey, shared, false});
+      continue;
+    }
+    RDMARPC_ASSIGN_OR_RETURN(LocalMemory mem,
+                             cache->ForSend(src.data, src.size));
+    sources.push_back(std::move(mem));
+  }
+  return sources;
 }
 
 StatusOr<uint64_t> GrantCallId(const FrameView& frame) {
@@ -88,10 +146,80 @@ StatusOr<uint64_t> GrantCallId(const FrameView& frame) {
   return probe.call_id();
 }
 
+namespace {
+
+// Failed posts from CUDA's host-function thread report on this thread: a
+// `done` may run user callbacks, which must not run where CUDA forbids
+// CUDA calls.
+internal::ThreadPool& PostFailures() {
+  static auto* pool = new internal::ThreadPool(1);
+  return *pool;
+}
+
+// Posts the writes of a grant with GPU parts in stream order on the copy
+// stream: after the producer's fence, each staged part chunk by chunk as
+// its copy lands, the others as they come.
+StatusOr<int> WriteGpuOrdered(const Grant& grant, const OutgoingPayload& out,
+                              std::span<const LocalMemory> sources,
+                              const std::shared_ptr<Connection>& conn,
+                              const std::function<void(Status)>& done) {
+  auto post = [conn, done](Connection::WriteRequest w) {
+    Status posted = conn->Write(w, done);
+    if (!posted.ok()) PostFailures().Post([done, posted] { done(posted); });
+  };
+  const int gpu = out.fence_gpu;
+  int counted = 0;
+  for (int k = 0; k < grant.regions_size(); ++k) {
+    const OutgoingPayload::Source& src = out.out_of_band[k];
+    Connection::WriteRequest w;
+    w.local = src.data;
+    w.lkey = sources[k].lkey;
+    w.remote_addr = grant.regions(k).addr();
+    w.rkey = grant.regions(k).rkey();
+    w.length = grant.regions(k).length();
+    const bool last_part = k + 1 == grant.regions_size();
+    Status queued;
+    if (src.staged_from == nullptr || src.size == 0) {
+      if (last_part) w.immediate = grant.grant_id();
+      queued = internal::CudaThen(gpu, out.fence.get(), [post, w] { post(w); });
+      if (queued.ok()) ++counted;
+    } else {
+      const size_t chunks = (src.size + kStagingChunk - 1) / kStagingChunk;
+      const uint32_t grant_id = grant.grant_id();
+      queued = internal::CudaCopyInChunks(
+          gpu, out.fence.get(), const_cast<void*>(src.data), Device::Host(),
+          src.staged_from, Device::Cuda(src.gpu), src.size, kStagingChunk,
+          [post, w, last_part, grant_id](size_t offset, size_t length) {
+            Connection::WriteRequest piece = w;
+            piece.local = static_cast<const char*>(w.local) + offset;
+            piece.remote_addr = w.remote_addr + offset;
+            piece.length = length;
+            if (last_part && offset + length == w.length) {
+              piece.immediate = grant_id;
+            }
+            post(piece);
+          });
+      if (queued.ok()) counted += static_cast<int>(chunks);
+    }
+    if (!queued.ok()) {
+      // Writes already queued fail to post on the closed connection and
+      // report through `done`.
+      conn->Close(
+          absl::InternalError(absl::StrCat(
+              "queueing a GPU part's writes failed: ", queued.message())),
+          "CUDA error");
+      return absl::InternalError(queued.message());
+    }
+  }
+  return counted;
+}
+
+}  // namespace
+
 StatusOr<int> WriteGrantedParts(const FrameView& frame,
                                 const OutgoingPayload& out,
                                 std::span<const LocalMemory> sources,
-                                Connection* conn,
+                                const std::shared_ptr<Connection>& conn,
                                 const std::function<void(Status)>& done) {
   RDMARPC_ASSIGN_OR_RETURN(Grant grant,
                            ParseGrant(frame, out.out_of_band.size()));
@@ -101,6 +229,9 @@ StatusOr<int> WriteGrantedParts(const FrameView& frame,
           absl::StrCat("grant region ", k, " holds ", grant.regions(k).length(),
                        " bytes for a part of ", out.out_of_band[k].size));
     }
+  }
+  if (out.fence != nullptr) {
+    return WriteGpuOrdered(grant, out, sources, conn, done);
   }
   int queued = 0;
   for (int k = 0; k < grant.regions_size(); ++k) {
@@ -120,7 +251,9 @@ StatusOr<int> WriteGrantedParts(const FrameView& frame,
 StatusOr<IncomingPayload> ReceivePayload(
     const google::protobuf::RepeatedPtrField<Part>& parts,
     std::string_view inline_bytes, uint64_t max_tensor_bytes,
-    std::span<const TensorBuffer> supplied) {
+    std::span<const TensorBuffer> supplied,
+    const internal::TensorPlacement& placement,
+    const google::protobuf::Message* prototype, const GpuAccess& gpu) {
   IncomingPayload in;
   in.parts.assign(parts.begin(), parts.end());
   in.inline_tensors.resize(parts.size() - 1);
@@ -152,35 +285,82 @@ StatusOr<IncomingPayload> ReceivePayload(
       }
     }
   }
+  // Where each tensor goes: per field needs the message, which is known
+  // here only when it came in the frame; otherwise FinishPayload moves the
+  // tensors of fields placed apart.
+  std::vector<Device> devices(in.parts.size() - 1, placement.device);
+  if (!placement.by_field.empty() && prototype != nullptr &&
+      !in.parts[0].out_of_band()) {
+    std::unique_ptr<google::protobuf::Message> probe(prototype->New());
+    if (probe->ParseFromString(in.message)) {
+      auto resolved = placement.Resolve(*probe);
+      if (resolved.ok() && resolved->size() == devices.size()) {
+        devices = *std::move(resolved);
+      }
+    }
+  }
   for (size_t i = 0; i < in.parts.size(); ++i) {
     const Part& p = in.parts[i];
     if (!p.out_of_band()) continue;
-    TensorBuffer landing;
+    TensorBuffer supplied_buffer;
+    Device device = i == 0 ? Device::Host() : devices[i - 1];
     if (i > 0 && i - 1 < supplied.size() && !supplied[i - 1].empty()) {
       const TensorBuffer& s = supplied[i - 1];
-      if (!s.device().is_host()) {
-        return absl::UnimplementedError(absl::StrCat(
-            "response tensor #", i - 1, ": a ", s.device().ToString(),
-            " buffer cannot be registered for RDMA in this build"));
-      }
       if (s.size() < p.size()) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "response tensor #", i - 1, " is ", p.size(),
             " bytes; the buffer given with SetResponseTensorBuffer holds ",
             s.size()));
       }
-      landing = s.Slice(0, p.size());
+      supplied_buffer = s.Slice(0, p.size());
+      device = s.device();
+    }
+    TensorBuffer landing;
+    GpuRdmaMode mode = GpuRdmaMode::kStaging;
+    TensorBuffer staged_to;
+    if (device.is_cuda()) {
+      GpuRdmaChoice c = ModeFor(device.index, gpu);
+      mode = c.mode;
+      in.gpu_mode = GpuRdmaModeName(c.mode);
+      in.gpu_reason = std::move(c.reason);
+      if (mode == GpuRdmaMode::kStaging) {
+        RDMARPC_ASSIGN_OR_RETURN(landing,
+                                 internal::AllocatePinnedStaging(p.size()));
+        staged_to = std::move(supplied_buffer);
+      } else if (!supplied_buffer.empty()) {
+        landing = std::move(supplied_buffer);
+      } else {
+        RDMARPC_ASSIGN_OR_RETURN(
+            landing, internal::AllocateGpuLanding(device.index, p.size()));
+      }
+    } else if (!supplied_buffer.empty()) {
+      landing = std::move(supplied_buffer);
     } else {
       RDMARPC_ASSIGN_OR_RETURN(landing, TensorBuffer::Allocate(p.size()));
     }
     in.landing.push_back(std::move(landing));
     in.landing_part.push_back(i);
+    in.landing_modes.push_back(mode);
+    in.staged_to.push_back(std::move(staged_to));
+    in.staged_device.push_back(device.is_cuda() && mode == GpuRdmaMode::kStaging
+                                   ? device
+                                   : Device::Host());
   }
   return in;
 }
 
 Status RegisterLandingMemory(IncomingPayload* in, ibv_pd* pd) {
-  for (const TensorBuffer& landing : in->landing) {
+  for (size_t k = 0; k < in->landing.size(); ++k) {
+    const TensorBuffer& landing = in->landing[k];
+    if (landing.device().is_cuda()) {
+      RDMARPC_ASSIGN_OR_RETURN(
+          MemoryRegion mr,
+          RegisterGpuMemory(pd, landing.data(), landing.size(),
+                            in->landing_modes[k],
+                            IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE));
+      in->landing_mrs.push_back(std::move(mr));
+      continue;
+    }
     RDMARPC_ASSIGN_OR_RETURN(
         MemoryRegion mr, RegisterLanding(pd, landing.data(), landing.size()));
     in->landing_mrs.push_back(std::move(mr));
@@ -198,11 +378,28 @@ void AddGrantRegions(const IncomingPayload& in, Grant* grant) {
 }
 
 StatusOr<internal::IncomingResult> FinishPayload(
-    IncomingPayload* in, google::protobuf::Message* msg, Device placement,
-    uint64_t max_tensor_bytes, std::shared_ptr<const void> owner,
-    CallTensors* tensors) {
+    IncomingPayload* in, google::protobuf::Message* msg,
+    const internal::TensorPlacement& placement, uint64_t max_tensor_bytes,
+    std::shared_ptr<const void> owner, CallTensors* tensors,
+    const internal::ConsumerStream* consumer) {
   // The grant ends here: the peer can no longer write into this memory.
   in->landing_mrs.clear();
+  uint64_t staged_bytes = 0;
+  for (size_t k = 0; k < in->landing.size(); ++k) {
+    const Device to = in->staged_device[k];
+    if (!to.is_cuda()) continue;
+    TensorBuffer pinned = std::move(in->landing[k]);
+    TensorBuffer dst = std::move(in->staged_to[k]);
+    if (dst.empty()) {
+      RDMARPC_ASSIGN_OR_RETURN(
+          dst, internal::AllocateGpuLanding(to.index, pinned.size()));
+    }
+    RDMARPC_RETURN_IF_ERROR(
+        internal::CudaCopyOrdered(dst.data(), to, pinned.data(), Device::Host(),
+                                  pinned.size(), consumer, pinned));
+    staged_bytes += pinned.size();
+    in->landing[k] = std::move(dst);
+  }
   std::vector<TensorBuffer> landed(in->parts.size());
   for (size_t k = 0; k < in->landing.size(); ++k) {
     landed[in->landing_part[k]] = in->landing[k];
@@ -241,7 +438,7 @@ StatusOr<internal::IncomingResult> FinishPayload(
       internal::IncomingResult result,
       internal::AcceptIncoming(msg, parts, placement, max_tensor_bytes,
                                std::move(owner), tensors));
-  result.cpu_copied_bytes += copied;
+  result.cpu_copied_bytes += copied + staged_bytes;
   return result;
 }
 

@@ -28,12 +28,20 @@
 #include "rdmarpc/status.h"
 #include "rdmarpc/tensor.h"
 #include "runtime/codec.h"
+#include "runtime/cuda_support.h"
 #include "transport/rdma/connection.h"
+#include "transport/rdma/gpu_registration.h"
 #include "transport/rdma/rdma_frame.pb.h"
 #include "transport/rdma/registration.h"
 #include "transport/rdma/verbs.h"
 
 namespace rdmarpc::rdma {
+
+// What the payload code needs to reach GPU memory on one connection.
+struct GpuAccess {
+  ibv_pd* pd = nullptr;
+  GpuRdmaMode requested = GpuRdmaMode::kAuto;
+};
 
 struct OutgoingPayload {
   // Part 0, the serialized message; on the heap so that the spans below
@@ -45,24 +53,44 @@ struct OutgoingPayload {
   std::vector<std::span<const uint8_t>> inline_parts;
   // Parts that travel by RDMA WRITE, in part order.
   struct Source {
-    const void* data = nullptr;
+    const void* data = nullptr;  // what the NIC reads
     uint64_t size = 0;
+    // Where `data` lies: host memory (perhaps a pinned staging buffer), or
+    // a GPU reached in the direct mode `mode`.
+    Device device;
+    GpuRdmaMode mode = GpuRdmaMode::kStaging;
+    // Staging: the GPU bytes copied into `data` once the grant is in.
+    const void* staged_from = nullptr;
+    int gpu = -1;
   };
   std::vector<Source> out_of_band;
   std::vector<TensorBuffer> keep;   // the bound buffers, alive until done
   std::vector<std::string> staged;  // device bytes copied for the frame
   uint64_t tensor_bytes = 0;
   uint64_t cpu_copied_bytes = 0;  // tensor bytes copied into the frame
+  // Set when a part is read from GPU memory: the producer's work, which the
+  // writes wait for, on the copy stream of `fence_gpu`.
+  std::shared_ptr<internal::CudaFence> fence;
+  int fence_gpu = -1;
+  std::string gpu_mode;  // for CallStats: how GPU parts travel, and why
+  std::string gpu_reason;
 };
 
 // Serializes `msg` and decides how each part travels: in the frame while it
 // is at most `inline_threshold` bytes (the message part: any size) and the
-// frame stays within `frame_room` bytes of parts, else out of band.
-// UNIMPLEMENTED when a part must be written from device memory (GPU
-// registration is not in this build): the caller then uses gRPC.
+// frame stays within `frame_room` bytes of parts, else out of band. A part
+// in GPU memory is read where it is (dma-buf, peer-memory) or copied to a
+// pinned staging buffer once the grant is in (staging), always after the
+// work queued on `cuda_stream` (a cudaStream_t) so far.
 [[nodiscard]] StatusOr<OutgoingPayload> PlanPayload(
     const google::protobuf::Message& msg, const CallTensors& tensors,
-    size_t frame_room, uint64_t inline_threshold);
+    size_t frame_room, uint64_t inline_threshold, const GpuAccess& gpu,
+    void* cuda_stream);
+
+// Registrations for the out-of-band parts of `out`, in order: host memory
+// through `cache`, GPU memory in its direct mode (for this use only).
+[[nodiscard]] StatusOr<std::vector<LocalMemory>> RegisterSources(
+    const OutgoingPayload& out, RegistrationCache* cache, ibv_pd* pd);
 
 // The call id a grant frame names, to find its call before checking it.
 [[nodiscard]] StatusOr<uint64_t> GrantCallId(const FrameView& frame);
@@ -70,11 +98,17 @@ struct OutgoingPayload {
 // Checks that `frame` grants exactly the out-of-band parts of `out` (count
 // and lengths: anything else is a protocol violation), then queues one
 // write per part into its region, the last carrying the grant id as
-// immediate. `sources[k]` registers part k; `done` runs once per queued
-// write. Returns how many were queued (fewer if the connection closed).
+// immediate. `sources[k]` registers part k; `done` runs once per write
+// counted. Returns how many writes were counted (fewer if the connection
+// closed). With GPU parts (`out.fence` set) the writes are posted from
+// CUDA's host-function thread once the producer's work and each staging
+// chunk's copy are done, so copies and writes overlap; `done` then runs on
+// a runtime thread for a write that could not be posted. `out` and the
+// memory it names must stay valid until every `done` has run.
 [[nodiscard]] StatusOr<int> WriteGrantedParts(
     const FrameView& frame, const OutgoingPayload& out,
-    std::span<const LocalMemory> sources, Connection* conn,
+    std::span<const LocalMemory> sources,
+    const std::shared_ptr<Connection>& conn,
     const std::function<void(Status)>& done);
 
 struct IncomingPayload {
@@ -87,18 +121,32 @@ struct IncomingPayload {
   std::vector<TensorBuffer> landing;
   std::vector<size_t> landing_part;
   std::vector<MemoryRegion> landing_mrs;
+  // Per landing: kStaging for host memory, else the direct mode of the GPU
+  // it lies on.
+  std::vector<GpuRdmaMode> landing_modes;
+  // Per landing: for a pinned staging buffer, the GPU buffer the bytes go
+  // to once they landed (empty: allocate one on `staged_device`).
+  std::vector<TensorBuffer> staged_to;
+  std::vector<Device> staged_device;
+  std::string gpu_mode;  // for CallStats
+  std::string gpu_reason;
 };
 
 // Copies the frame's inline bytes out (the receive buffer is re-posted),
 // checks the announced sizes against `max_tensor_bytes` before allocating,
 // and allocates landing memory for the out-of-band parts: supplied[k] for
-// tensor k when given (host memory), else new host memory.
+// tensor k when given, else memory where `placement` puts the tensor (per
+// field when the message came in the frame and `prototype` is given). For
+// a GPU, in a direct mode the landing memory is the GPU's; in staging it is
+// a pinned host buffer that FinishPayload copies to the GPU.
 // RESOURCE_EXHAUSTED (budget, memory) and INVALID_ARGUMENT fail the call,
 // not the connection.
 [[nodiscard]] StatusOr<IncomingPayload> ReceivePayload(
     const google::protobuf::RepeatedPtrField<Part>& parts,
     std::string_view inline_bytes, uint64_t max_tensor_bytes,
-    std::span<const TensorBuffer> supplied);
+    std::span<const TensorBuffer> supplied,
+    const internal::TensorPlacement& placement,
+    const google::protobuf::Message* prototype, const GpuAccess& gpu);
 
 // Registers in.landing for remote write (the grant's lifetime).
 [[nodiscard]] Status RegisterLandingMemory(IncomingPayload* in, ibv_pd* pd);
@@ -107,11 +155,14 @@ struct IncomingPayload {
 void AddGrantRegions(const IncomingPayload& in, Grant* grant);
 
 // Once every out-of-band part has landed: drops the landing registrations,
-// parses the message and binds its tensors (internal::AcceptIncoming).
+// copies staged parts to their GPU (ordered before `consumer`'s later work
+// when given, else complete on return), parses the message and binds its
+// tensors (internal::AcceptIncoming).
 [[nodiscard]] StatusOr<internal::IncomingResult> FinishPayload(
-    IncomingPayload* in, google::protobuf::Message* msg, Device placement,
-    uint64_t max_tensor_bytes, std::shared_ptr<const void> owner,
-    CallTensors* tensors);
+    IncomingPayload* in, google::protobuf::Message* msg,
+    const internal::TensorPlacement& placement, uint64_t max_tensor_bytes,
+    std::shared_ptr<const void> owner, CallTensors* tensors,
+    const internal::ConsumerStream* consumer);
 
 }  // namespace rdmarpc::rdma
 

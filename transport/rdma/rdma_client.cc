@@ -22,6 +22,14 @@ namespace {
 
 using Clock = std::chrono::system_clock;
 
+// The stream that consumes response tensors, when the caller named one.
+const internal::ConsumerStream* ConsumerOf(const ClientContext& ctx,
+                                           internal::ConsumerStream* storage) {
+  if (!ctx.has_cuda_stream()) return nullptr;
+  storage->stream = ctx.cuda_stream();
+  return storage;
+}
+
 // A call between Start and its completion.
 struct ClientRecord {
   enum class Stage {
@@ -64,10 +72,12 @@ class ClientEndpoint final
       public std::enable_shared_from_this<ClientEndpoint> {
  public:
   ClientEndpoint(RdmaClientHooks hooks, uint64_t server_instance,
-                 uint64_t inline_threshold, std::string description)
+                 uint64_t inline_threshold, GpuRdmaMode gpu_mode,
+                 std::string description)
       : hooks_(std::move(hooks)),
         server_instance_(server_instance),
         inline_threshold_(inline_threshold),
+        gpu_mode_(gpu_mode),
         description_(std::move(description)) {}
 
   void Attach(std::shared_ptr<Connection> conn) {
@@ -124,6 +134,7 @@ class ClientEndpoint final
   const RdmaClientHooks hooks_;
   const uint64_t server_instance_;
   const uint64_t inline_threshold_;
+  const GpuRdmaMode gpu_mode_;
   const std::string description_;
   WireLimits limits_;
 
@@ -192,9 +203,12 @@ void ClientEndpoint::Start(internal::ClientCall call) {
   size_t room =
       conn->max_frame_bytes() > base ? conn->max_frame_bytes() - base : 0;
   auto payload =
-      PlanPayload(*call.request, ctx->tensors(), room, inline_threshold_);
+      PlanPayload(*call.request, ctx->tensors(), room, inline_threshold_,
+                  {conn->pd(), gpu_mode_}, ctx->cuda_stream());
   if (!payload.ok()) {
-    if (payload.status().code() == StatusCode::kUnimplemented) {
+    if (payload.status().code() != StatusCode::kInvalidArgument) {
+      // Memory RDMA could not reach (pinned staging exhausted, a CUDA
+      // error): gRPC may still carry the call.
       return hooks_.reroute(std::move(call),
                             std::string(payload.status().message()));
     }
@@ -202,14 +216,12 @@ void ClientEndpoint::Start(internal::ClientCall call) {
     return done(payload.status());
   }
   auto record = std::make_unique<ClientRecord>();
-  for (const auto& src : payload->out_of_band) {
-    auto mem = cache->ForSend(src.data, src.size);
-    if (!mem.ok()) {
-      return hooks_.reroute(std::move(call),
-                            absl::StrCat("RDMA ", mem.status().message()));
-    }
-    record->sources.push_back(*std::move(mem));
+  auto sources = RegisterSources(*payload, cache.get(), conn->pd());
+  if (!sources.ok()) {
+    return hooks_.reroute(std::move(call),
+                          absl::StrCat("RDMA ", sources.status().message()));
   }
+  record->sources = *std::move(sources);
   for (Part& p : payload->parts) *head.add_parts() = std::move(p);
   payload->parts.clear();
   record->out = *std::move(payload);
@@ -220,6 +232,8 @@ void ClientEndpoint::Start(internal::ClientCall call) {
   CallStats* stats = ctx->mutable_stats();
   stats->transport = TransportKind::kRdma;
   stats->tensor_bytes_sent = record->out.tensor_bytes;
+  stats->gpu_rdma_mode = record->out.gpu_mode;
+  stats->gpu_rdma_reason = record->out.gpu_reason;
   uint64_t call_id = call.call_id;
   std::vector<std::span<const uint8_t>> inline_parts = record->out.inline_parts;
   record->call = std::move(call);
@@ -408,7 +422,7 @@ Status ClientEndpoint::OnGrant(const FrameView& frame,
   };
   RDMARPC_ASSIGN_OR_RETURN(
       r.writes_pending,
-      WriteGrantedParts(frame, r.out, r.sources, conn_.get(), on_written));
+      WriteGrantedParts(frame, r.out, r.sources, conn_, on_written));
   r.stage = ClientRecord::Stage::kAwaitResponse;
   return absl::OkStatus();
 }
@@ -447,9 +461,10 @@ Status ClientEndpoint::OnResponse(const FrameView& frame,
         "response for call ", head.call_id(), " before its request arrived"));
   }
   ClientContext* ctx = r.call.ctx;
-  auto in = ReceivePayload(head.parts(), frame.inline_bytes,
-                           r.call.max_response_tensor_bytes,
-                           ctx->response_tensor_buffers());
+  auto in = ReceivePayload(
+      head.parts(), frame.inline_bytes, r.call.max_response_tensor_bytes,
+      ctx->response_tensor_buffers(), ctx->response_placement(), nullptr,
+      {conn_->pd(), gpu_mode_});
   if (in.ok()) {
     Status registered = RegisterLandingMemory(&*in, conn_->pd());
     if (!registered.ok()) in = registered;
@@ -465,10 +480,16 @@ Status ClientEndpoint::OnResponse(const FrameView& frame,
     return absl::OkStatus();
   }
   r.in = *std::move(in);
+  if (!r.in.gpu_mode.empty()) {
+    ctx->mutable_stats()->gpu_rdma_mode = r.in.gpu_mode;
+    ctx->mutable_stats()->gpu_rdma_reason = r.in.gpu_reason;
+  }
   if (r.in.landing.empty()) {
-    auto result = FinishPayload(
-        &r.in, r.call.response, ctx->response_placement(),
-        r.call.max_response_tensor_bytes, nullptr, &ctx->tensors());
+    internal::ConsumerStream consumer;
+    auto result =
+        FinishPayload(&r.in, r.call.response, ctx->response_placement(),
+                      r.call.max_response_tensor_bytes, nullptr,
+                      &ctx->tensors(), ConsumerOf(*ctx, &consumer));
     if (result.ok()) {
       r.received_bytes = result->total_bytes;
       r.response_copied = result->cpu_copied_bytes;
@@ -504,9 +525,11 @@ Status ClientEndpoint::OnWriteLanded(uint32_t immediate) {
     uint64_t call_id = g->second;
     ClientRecord& r = *calls_.at(call_id);
     ClientContext* ctx = r.call.ctx;
-    auto result = FinishPayload(
-        &r.in, r.call.response, ctx->response_placement(),
-        r.call.max_response_tensor_bytes, nullptr, &ctx->tensors());
+    internal::ConsumerStream consumer;
+    auto result =
+        FinishPayload(&r.in, r.call.response, ctx->response_placement(),
+                      r.call.max_response_tensor_bytes, nullptr,
+                      &ctx->tensors(), ConsumerOf(*ctx, &consumer));
     if (result.ok()) {
       r.received_bytes = result->total_bytes;
       r.response_copied = result->cpu_copied_bytes;
@@ -621,7 +644,8 @@ StatusOr<std::unique_ptr<RdmaClientTransport>> RdmaClientTransport::Connect(
                                  ":", server.cm_port());
   t->peer_timeout_ = options.rdma_peer_timeout;
   t->endpoint_ = std::make_shared<ClientEndpoint>(
-      std::move(hooks), server.server_instance(), threshold, t->description_);
+      std::move(hooks), server.server_instance(), threshold,
+      options.gpu_rdma_mode, t->description_);
   auto conn = ConnectToServer(
       server.cm_address(), static_cast<uint16_t>(server.cm_port()),
       server.token(), config, t->endpoint_, options.rdma_connect_timeout);

@@ -89,10 +89,11 @@ class ServerEndpoint final
  public:
   ServerEndpoint(internal::Dispatcher* dispatcher,
                  std::shared_ptr<ServerShared> shared, uint64_t threshold,
-                 std::string peer, uint64_t client_id)
+                 GpuRdmaMode gpu_mode, std::string peer, uint64_t client_id)
       : dispatcher_(dispatcher),
         shared_(std::move(shared)),
         inline_threshold_(threshold),
+        gpu_mode_(gpu_mode),
         peer_(std::move(peer)),
         client_id_(client_id) {}
 
@@ -140,6 +141,7 @@ class ServerEndpoint final
   internal::Dispatcher* dispatcher_;
   std::shared_ptr<ServerShared> shared_;
   const uint64_t inline_threshold_;
+  const GpuRdmaMode gpu_mode_;
   const std::string peer_;
   const uint64_t client_id_;  // from the handshake; 0: calls not logged
   WireLimits limits_;
@@ -251,8 +253,10 @@ Status ServerEndpoint::OnRequest(const FrameView& frame) {
   for (const Metadata& m : head.metadata()) {
     r.state->client_metadata.emplace(m.key(), m.value());
   }
-  auto in = ReceivePayload(head.parts(), frame.inline_bytes,
-                           dispatcher_->max_request_tensor_bytes(), {});
+  auto in = ReceivePayload(
+      head.parts(), frame.inline_bytes, dispatcher_->max_request_tensor_bytes(),
+      {}, method->placement, method->descriptor.request_prototype,
+      {conn_->pd(), gpu_mode_});
   if (!in.ok()) {
     FailLocked(call_id, in.status());
     return absl::OkStatus();
@@ -320,7 +324,8 @@ void ServerEndpoint::DispatchLocked(uint64_t call_id) {
   r.request.reset(r.state->method().descriptor.request_prototype->New());
   auto accepted = FinishPayload(
       &r.in, r.request.get(), r.state->method().placement,
-      dispatcher_->max_request_tensor_bytes(), r.request, &r.state->tensors);
+      dispatcher_->max_request_tensor_bytes(), r.request, &r.state->tensors,
+      /*consumer=*/nullptr);
   if (!accepted.ok()) return FailLocked(call_id, accepted.status());
   r.stage = ServerRecord::Stage::kRunning;
   {
@@ -369,18 +374,17 @@ void ServerEndpoint::Respond(
   size_t base = kPreambleBytes + head.ByteSizeLong();
   size_t room =
       conn_->max_frame_bytes() > base ? conn_->max_frame_bytes() - base : 0;
-  auto out = PlanPayload(*response, r.state->tensors, room, inline_threshold_);
+  auto out = PlanPayload(*response, r.state->tensors, room, inline_threshold_,
+                         {conn_->pd(), gpu_mode_}, r.state->cuda_stream);
   if (!out.ok()) {
     return FailLocked(
         call_id, absl::InternalError(
                      absl::StrCat("handler built a response RDMA cannot send: ",
                                   out.status().message())));
   }
-  for (const auto& src : out->out_of_band) {
-    auto mem = cache_->ForSend(src.data, src.size);
-    if (!mem.ok()) return FailLocked(call_id, mem.status());
-    r.sources.push_back(*std::move(mem));
-  }
+  auto sources = RegisterSources(*out, cache_.get(), conn_->pd());
+  if (!sources.ok()) return FailLocked(call_id, sources.status());
+  r.sources = *std::move(sources);
   for (Part& p : out->parts) *head.add_parts() = std::move(p);
   out->parts.clear();
   r.out = *std::move(out);
@@ -437,7 +441,7 @@ Status ServerEndpoint::OnGrant(const FrameView& frame) {
   };
   RDMARPC_ASSIGN_OR_RETURN(
       r.writes_pending,
-      WriteGrantedParts(frame, r.out, r.sources, conn_.get(), on_written));
+      WriteGrantedParts(frame, r.out, r.sources, conn_, on_written));
   r.stage = ServerRecord::Stage::kWritingResponse;
   return absl::OkStatus();
 }
@@ -696,7 +700,7 @@ void RdmaServerTransport::OnConnectRequest(const CmEvent& event) {
               peer_text, sizeof(peer_text));
   }
   auto endpoint = std::make_shared<ServerEndpoint>(
-      dispatcher_, shared_, options_.inline_threshold,
+      dispatcher_, shared_, options_.inline_threshold, options_.gpu_rdma_mode,
       absl::StrCat("rdma:", peer_text), client_id);
   auto resources = BuildResources(EventChannel(), CmId(event.id), &config);
   if (!resources.ok()) {

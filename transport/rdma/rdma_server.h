@@ -51,6 +51,7 @@ struct RdmaServerOptions {
   // request that would exceed it is answered `not_executed` and the client
   // sends it over gRPC.
   uint64_t landing_pool_bytes = uint64_t{8} << 30;
+  GpuRdmaMode gpu_rdma_mode = GpuRdmaMode::kAuto;
 };
 
 class RdmaServerTransport final : public internal::ServerTransport {

@@ -76,6 +76,10 @@ struct ChannelOptions {
   // to the maximum; every wait is jittered by +-25%.
   std::chrono::milliseconds rdma_probe_initial_backoff{100};
   std::chrono::milliseconds rdma_probe_max_backoff{5000};
+
+  // How RDMA reaches tensors in GPU memory (see GpuRdmaMode in
+  // rdmarpc/memory.h); CallStats::gpu_rdma_mode says what each call used.
+  GpuRdmaMode gpu_rdma_mode = GpuRdmaMode::kAuto;
 };
 
 // A channel's RDMA health; see the diagram at the top of this file.

@@ -43,6 +43,10 @@ struct CallStats {
   // Tensor bytes the CPU copied on this side (staging, gRPC receive, ...).
   // 0 on a zero-copy path.
   uint64_t cpu_copied_bytes = 0;
+  // How RDMA reached this side's tensors in CUDA memory ("dma-buf",
+  // "peer-memory", "staging"; empty when none went over RDMA) and why.
+  std::string gpu_rdma_mode;
+  std::string gpu_rdma_reason;
 
   std::string ToString() const;
 };
@@ -85,6 +89,21 @@ class ClientContext {
   // Where received response tensors land (default: host memory).
   void set_response_placement(Device device) { placement_ = device; }
   Device response_placement() const { return placement_; }
+
+  // The CUDA stream (a cudaStream_t; nullptr is the legacy default stream)
+  // that produces the request's device tensors and consumes the response's.
+  // The runtime reads a device tensor only after the work queued on this
+  // stream before the call started, and response tensors are ordered before
+  // work queued on it after the call completes, without a device-wide
+  // synchronization. Without a stream set, the call completes only once
+  // response tensors are in place, and device tensors are read after the
+  // work queued on the legacy default stream.
+  void set_cuda_stream(void* stream) {
+    cuda_stream_ = stream;
+    has_cuda_stream_ = true;
+  }
+  bool has_cuda_stream() const { return has_cuda_stream_; }
+  void* cuda_stream() const { return cuda_stream_; }
 
   // Lands the response tensor number `index` (walk order: the order of the
   // tensor fields in a depth-first walk of the set fields by field number)
@@ -133,6 +152,8 @@ class ClientContext {
   std::optional<std::chrono::system_clock::time_point> deadline_;
   std::multimap<std::string, std::string> metadata_;
   Device placement_ = Device::Host();
+  void* cuda_stream_ = nullptr;
+  bool has_cuda_stream_ = false;
   std::vector<TensorBuffer> response_buffers_;
   CallTensors tensors_;
   CallStats stats_;

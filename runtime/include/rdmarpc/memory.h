@@ -114,6 +114,31 @@ class MemoryPool {
 // buffer it handed out.
 std::unique_ptr<MemoryPool> NewHostMemoryPool(size_t capacity);
 
+// A pool of `capacity` bytes of memory on CUDA device `index` (one
+// cudaMalloc), carved like the host pool. Landing memory for tensors placed
+// on a GPU comes from such a pool, so a call does not pay for cudaMalloc.
+// UNAVAILABLE without a usable GPU; RESOURCE_EXHAUSTED when the device
+// cannot hold `capacity`. The pool must outlive every buffer it handed out.
+StatusOr<std::unique_ptr<MemoryPool>> NewCudaMemoryPool(int index,
+                                                        size_t capacity);
+
+// How the RDMA transport reaches tensors in CUDA memory, best first:
+//   kDmaBuf      the GPU exports the allocation as a dma-buf and the NIC
+//                registers it (ibv_reg_dmabuf_mr): the NIC reads and
+//                writes GPU memory directly.
+//   kPeerMemory  the nvidia-peermem kernel module lets ibv_reg_mr pin GPU
+//                memory: direct as well, on older kernels and drivers.
+//   kStaging     bytes pass through pinned host buffers, copied to and from
+//                the GPU in chunks on a CUDA stream.
+// kAuto picks the best mode that detection says works for each (GPU, RDMA
+// device) pair; forcing a mode that does not work fails the GPU part of a
+// call over RDMA, which then goes over gRPC with the reason. The
+// environment variable RDMARPC_GPU_RDMA_MODE (dma-buf, peer-memory,
+// staging) overrides kAuto.
+enum class GpuRdmaMode { kAuto, kDmaBuf, kPeerMemory, kStaging };
+// "auto", "dma-buf", "peer-memory", "staging".
+const char* GpuRdmaModeName(GpuRdmaMode mode);
+
 // Number of usable CUDA devices: 0 when this build has no CUDA support, when
 // the driver is missing, or when the machine has no GPU (never an error).
 int CudaDeviceCount();
@@ -145,6 +170,8 @@ Status RegisterMemoryForRdma(const void* data, size_t size);
 Status UnregisterMemoryForRdma(const void* data);
 
 // Copies `size` bytes between any two devices (host or CUDA), synchronously.
+// Between pageable host memory and a GPU, large copies go through pinned
+// staging buffers in pipelined chunks.
 Status CopyBytes(void* dst, Device dst_device, const void* src,
                  Device src_device, size_t size);
 

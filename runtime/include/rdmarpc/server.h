@@ -74,6 +74,13 @@ class ServerContext {
   // which is after the handler returns: bind owned or shared buffers.
   CallTensors& tensors();
 
+  // The CUDA stream (a cudaStream_t; nullptr is the legacy default stream)
+  // that produced the response's device tensors: the runtime reads them
+  // after the work queued on it before the handler returned. Without it,
+  // after the work queued on the legacy default stream. Request tensors are
+  // in place before the handler runs.
+  void set_cuda_stream(void* stream);
+
  private:
   internal::ServerCallState* state_;
 };
@@ -158,11 +165,23 @@ class ServerBuilder {
   // Worker threads that run handlers (default: max(4, hardware threads)).
   ServerBuilder& SetNumWorkers(int n);
 
-  // Where received request tensors land: the default for every method, or
-  // for one method path. Default: host memory.
+  // Where received request tensors land: the default for every method, for
+  // one method path, or for the tensors under one top-level field of one
+  // method's request (the most specific setting wins). Default: the
+  // server's first GPU when it has a usable one, else host memory.
+  //
+  //   builder.SetTensorPlacement(rdmarpc::Device::Cuda(1))
+  //       .SetFieldTensorPlacement("/demo.Infer/Run", "debug_image",
+  //                                rdmarpc::Device::Host());
   ServerBuilder& SetTensorPlacement(Device device);
   ServerBuilder& SetMethodTensorPlacement(std::string method_path,
                                           Device device);
+  ServerBuilder& SetFieldTensorPlacement(std::string method_path,
+                                         std::string field_name, Device device);
+
+  // How RDMA reaches request and response tensors in GPU memory (see
+  // GpuRdmaMode in rdmarpc/memory.h). Default kAuto.
+  ServerBuilder& SetGpuRdmaMode(GpuRdmaMode mode);
 
   // A request whose tensors add up to more than this fails with
   // RESOURCE_EXHAUSTED before any landing memory is allocated.
@@ -192,8 +211,10 @@ class ServerBuilder {
   std::vector<std::pair<std::string, int*>> ports_;
   std::vector<Service*> services_;
   int workers_ = 0;
-  Device placement_ = Device::Host();
+  std::optional<Device> placement_;
   std::map<std::string, Device> method_placement_;
+  std::map<std::pair<std::string, std::string>, Device> field_placement_;
+  GpuRdmaMode gpu_rdma_mode_ = GpuRdmaMode::kAuto;
   uint64_t max_request_tensor_bytes_ = uint64_t{64} << 30;
   bool rdma_ = true;
   uint32_t rdma_receives_ = 64;

@@ -544,7 +544,11 @@ TEST_F(ForgedPeerTest, DeviceFatalEventMakesChannelsFallBackThenProbeBack) {
     stats = channel->transport_stats();
   } while (stats.switches < 2 && std::chrono::steady_clock::now() < until);
   // Down (the device is not really dead, so the probe succeeds) and back.
-  EXPECT_EQ(stats.last_trigger, "device fatal event") << stats.ToString();
+  // Client and server share the device here: the client's connection may
+  // hear the server's end close (its disconnect) before the event closes it.
+  EXPECT_TRUE(stats.last_trigger == "device fatal event" ||
+              stats.last_trigger == "server disconnected")
+      << stats.ToString();
   EXPECT_EQ(stats.health, rdmarpc::RdmaHealth::kReady) << stats.ToString();
   EXPECT_EQ(stats.switches, 2u) << stats.ToString();
   EXPECT_TRUE((*conn)->closed());
