@@ -14,8 +14,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
-#include <optional>
 
 #include "runtime/first_fit.h"
 #endif
@@ -61,6 +61,23 @@ Status CudaError(const char* what, cudaError_t err) {
     }                                            \
   } while (0)
 
+// Restores the calling thread's current device: the runtime runs on user
+// and handler threads and must not change theirs.
+class DeviceGuard {
+ public:
+  DeviceGuard() {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
 Status UseDevice(int index) {
   RDMARPC_RETURN_IF_ERROR(CudaCheckDevice(index));
   RDMARPC_CUDA_RETURN_IF_ERROR(cudaSetDevice(index));
@@ -73,6 +90,7 @@ struct Driver {
   PFN_cuMemGetAddressRange_v3020 get_address_range = nullptr;
   PFN_cuMemGetHandleForAddressRange_v11070 get_handle = nullptr;
   PFN_cuPointerSetAttribute_v6000 set_pointer_attribute = nullptr;
+  PFN_cuFlushGPUDirectRDMAWrites_v11030 flush_rdma_writes = nullptr;
   std::string missing;  // why a pointer above is null
 };
 
@@ -99,6 +117,8 @@ const Driver& GetDriver() {
     Resolve("cuMemGetHandleForAddressRange", 11070, &d.get_handle, &d.missing);
     Resolve("cuPointerSetAttribute", 6000, &d.set_pointer_attribute,
             &d.missing);
+    Resolve("cuFlushGPUDirectRDMAWrites", 11030, &d.flush_rdma_writes,
+            &d.missing);
     return d;
   }();
   return driver;
@@ -122,26 +142,33 @@ class PinnedPool {
   StatusOr<TensorBuffer> Allocate(size_t size) {
     size_t rounded =
         std::max<size_t>((size + kGranule - 1) / kGranule, 1) * kGranule;
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& region : regions_) {
-      if (auto at = region->fit.Take(rounded))
-        return Hand(*region, *at, size, rounded);
-    }
     size_t grow = std::max(rounded, kRegionBytes);
-    if (total_ + grow > limit_) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("pinned staging memory is at its limit of ", limit_,
-                       " bytes (RDMARPC_CUDA_STAGING_BYTES); ", size,
-                       " more bytes do not fit"));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& region : regions_) {
+        if (auto at = region->fit.Take(rounded)) {
+          return Hand(*region, *at, size, rounded);
+        }
+      }
+      if (total_ + grow > limit_) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("pinned staging memory is at its limit of ", limit_,
+                         " bytes (RDMARPC_CUDA_STAGING_BYTES); ", size,
+                         " more bytes do not fit"));
+      }
+      total_ += grow;  // reserved while pinning, outside the lock
     }
+    // Pinning takes long, and CUDA's host functions release buffers under
+    // mu_: never pin while holding it.
     void* base = nullptr;
     cudaError_t err = cudaHostAlloc(&base, grow, cudaHostAllocPortable);
+    std::lock_guard<std::mutex> lock(mu_);
     if (err != cudaSuccess) {
+      total_ -= grow;
       return absl::ResourceExhaustedError(absl::StrCat(
           "cudaHostAlloc of ", grow,
           " bytes of pinned staging memory failed: ", cudaGetErrorString(err)));
     }
-    total_ += grow;
     regions_.push_back(std::make_unique<Region>(base, grow));
     Region& region = *regions_.back();
     return Hand(region, *region.fit.Take(rounded), size, rounded);
@@ -181,6 +208,7 @@ class EventFence final : public CudaFence {
  public:
   EventFence(int gpu, cudaEvent_t event) : gpu_(gpu), event_(event) {}
   ~EventFence() override {
+    DeviceGuard guard;
     cudaSetDevice(gpu_);
     cudaEventDestroy(event_);
   }
@@ -195,18 +223,25 @@ class EventFence final : public CudaFence {
   cudaEvent_t event_;
 };
 
-// One non-blocking copy stream per GPU, created on first use.
-StatusOr<cudaStream_t> CopyStream(int gpu) {
+// Sends wait on producers' streams; receives must not queue behind them.
+enum class Direction { kSend = 0, kReceive = 1 };
+
+// Two non-blocking copy streams per GPU, created on first use. Makes `gpu`
+// current (callers hold a DeviceGuard).
+StatusOr<cudaStream_t> CopyStream(int gpu, Direction direction) {
   static std::mutex mu;
-  static std::vector<cudaStream_t> streams;
+  static std::vector<std::array<cudaStream_t, 2>> streams;
   RDMARPC_RETURN_IF_ERROR(UseDevice(gpu));
   std::lock_guard<std::mutex> lock(mu);
-  if (streams.size() <= static_cast<size_t>(gpu)) streams.resize(gpu + 1);
-  if (streams[gpu] == nullptr) {
-    RDMARPC_CUDA_RETURN_IF_ERROR(
-        cudaStreamCreateWithFlags(&streams[gpu], cudaStreamNonBlocking));
+  if (streams.size() <= static_cast<size_t>(gpu)) {
+    streams.resize(gpu + 1, {nullptr, nullptr});
   }
-  return streams[gpu];
+  cudaStream_t& stream = streams[gpu][static_cast<int>(direction)];
+  if (stream == nullptr) {
+    RDMARPC_CUDA_RETURN_IF_ERROR(
+        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  }
+  return stream;
 }
 
 // Queues `fn` on `stream`; it runs on CUDA's host-function thread.
@@ -240,17 +275,24 @@ constexpr size_t kStagingChunk = size_t{4} << 20;
 // copy of one overlaps the DMA of the other.
 Status CopyViaPinned(int gpu, void* dst, Device dst_device, const void* src,
                      Device src_device, size_t size) {
-  RDMARPC_ASSIGN_OR_RETURN(cudaStream_t stream, CopyStream(gpu));
+  RDMARPC_ASSIGN_OR_RETURN(cudaStream_t stream,
+                           CopyStream(gpu, Direction::kReceive));
   RDMARPC_ASSIGN_OR_RETURN(TensorBuffer bounce,
                            AllocatePinnedStaging(2 * kStagingChunk));
-  cudaEvent_t done[2];
-  for (auto& e : done) {
-    RDMARPC_CUDA_RETURN_IF_ERROR(
-        cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  }
+  cudaEvent_t done[2] = {nullptr, nullptr};
   auto cleanup = [&] {
-    for (auto& e : done) cudaEventDestroy(e);
+    for (auto& e : done) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
   };
+  for (auto& e : done) {
+    cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    if (err != cudaSuccess) {
+      e = nullptr;
+      cleanup();
+      return CudaError("cudaEventCreateWithFlags", err);
+    }
+  }
   const bool to_device = dst_device.is_cuda();
   char* slots[2] = {static_cast<char*>(bounce.data()),
                     static_cast<char*>(bounce.data()) + kStagingChunk};
@@ -315,6 +357,7 @@ Status CudaCheckDevice(int index) {
 }
 
 StatusOr<TensorBuffer> CudaAllocate(size_t size, int index) {
+  DeviceGuard guard;
   RDMARPC_RETURN_IF_ERROR(UseDevice(index));
   void* p = nullptr;
   cudaError_t err = cudaMalloc(&p, size == 0 ? 1 : size);
@@ -324,6 +367,7 @@ StatusOr<TensorBuffer> CudaAllocate(size_t size, int index) {
                      " failed: ", cudaGetErrorString(err)));
   }
   std::shared_ptr<const void> owner(p, [index](const void* q) {
+    DeviceGuard restore;
     cudaSetDevice(index);
     cudaFree(const_cast<void*>(q));
   });
@@ -343,6 +387,7 @@ bool CudaIsPinnedHost(const void* ptr) {
 Status CudaCopy(void* dst, Device dst_device, const void* src,
                 Device src_device, size_t size) {
   const Device& gpu = dst_device.is_cuda() ? dst_device : src_device;
+  DeviceGuard guard;
   RDMARPC_RETURN_IF_ERROR(UseDevice(gpu.index));
   const void* host = dst_device.is_host()   ? dst
                      : src_device.is_host() ? src
@@ -365,6 +410,12 @@ StatusOr<TensorBuffer> AllocatePinnedStaging(size_t size) {
 }
 
 StatusOr<std::shared_ptr<CudaFence>> CudaRecordFence(int gpu, void* stream) {
+  DeviceGuard guard;
+  if (stream != nullptr) {
+    // An event must be recorded on its own device's stream.
+    RDMARPC_CUDA_RETURN_IF_ERROR(
+        cudaStreamGetDevice(static_cast<cudaStream_t>(stream), &gpu));
+  }
   RDMARPC_RETURN_IF_ERROR(UseDevice(gpu));
   cudaEvent_t event;
   RDMARPC_CUDA_RETURN_IF_ERROR(
@@ -376,12 +427,13 @@ StatusOr<std::shared_ptr<CudaFence>> CudaRecordFence(int gpu, void* stream) {
 }
 
 Status CudaCopyInChunks(int gpu, const CudaFence* after, void* dst,
-                        Device dst_device, const void* src, Device src_device,
-                        size_t size, size_t chunk,
-                        std::function<void(size_t, size_t)> on_chunk) {
-  (void)dst_device;
-  (void)src_device;
-  RDMARPC_ASSIGN_OR_RETURN(cudaStream_t stream, CopyStream(gpu));
+                        const void* src, size_t size, size_t chunk,
+                        std::function<void(size_t, size_t)> on_chunk,
+                        int* queued) {
+  *queued = 0;
+  DeviceGuard guard;
+  RDMARPC_ASSIGN_OR_RETURN(cudaStream_t stream,
+                           CopyStream(gpu, Direction::kSend));
   RDMARPC_RETURN_IF_ERROR(WaitOn(stream, after));
   auto shared = std::make_shared<std::function<void(size_t, size_t)>>(
       std::move(on_chunk));
@@ -392,12 +444,15 @@ Status CudaCopyInChunks(int gpu, const CudaFence* after, void* dst,
         static_cast<const char*>(src) + offset, n, cudaMemcpyDefault, stream));
     RDMARPC_RETURN_IF_ERROR(
         LaunchHost(stream, [shared, offset, n] { (*shared)(offset, n); }));
+    ++*queued;
   }
   return absl::OkStatus();
 }
 
 Status CudaThen(int gpu, const CudaFence* after, std::function<void()> fn) {
-  RDMARPC_ASSIGN_OR_RETURN(cudaStream_t stream, CopyStream(gpu));
+  DeviceGuard guard;
+  RDMARPC_ASSIGN_OR_RETURN(cudaStream_t stream,
+                           CopyStream(gpu, Direction::kSend));
   RDMARPC_RETURN_IF_ERROR(WaitOn(stream, after));
   return LaunchHost(stream, std::move(fn));
 }
@@ -406,7 +461,9 @@ Status CudaCopyOrdered(void* dst, Device dst_device, const void* src,
                        Device src_device, size_t size,
                        const ConsumerStream* consumer, TensorBuffer keep) {
   const Device& gpu = dst_device.is_cuda() ? dst_device : src_device;
-  RDMARPC_ASSIGN_OR_RETURN(cudaStream_t stream, CopyStream(gpu.index));
+  DeviceGuard guard;
+  RDMARPC_ASSIGN_OR_RETURN(cudaStream_t stream,
+                           CopyStream(gpu.index, Direction::kReceive));
   RDMARPC_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(dst, src, size, cudaMemcpyDefault, stream));
   RDMARPC_ASSIGN_OR_RETURN(std::shared_ptr<CudaFence> done,
@@ -427,6 +484,8 @@ Status CudaDmaBufSupported(int gpu) {
       d.get_address_range == nullptr) {
     return absl::FailedPreconditionError(d.missing);
   }
+  DeviceGuard guard;
+  RDMARPC_RETURN_IF_ERROR(UseDevice(gpu));
   int supported = 0;
   CUresult r =
       d.get_attribute(&supported, CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, gpu);
@@ -444,11 +503,24 @@ Status CudaDmaBufSupported(int gpu) {
   return absl::OkStatus();
 }
 
+// Makes the device that owns `ptr` current, so that driver calls on the
+// engine thread (which may never have used CUDA) have a context.
+Status UsePointersDevice(const void* ptr) {
+  cudaPointerAttributes attr{};
+  RDMARPC_CUDA_RETURN_IF_ERROR(cudaPointerGetAttributes(&attr, ptr));
+  if (attr.type != cudaMemoryTypeDevice) {
+    return absl::InvalidArgumentError("not CUDA device memory");
+  }
+  return UseDevice(attr.device);
+}
+
 StatusOr<DmaBufRange> CudaExportDmaBuf(const void* ptr, size_t size) {
   const Driver& d = GetDriver();
   if (d.get_handle == nullptr || d.get_address_range == nullptr) {
     return absl::FailedPreconditionError(d.missing);
   }
+  DeviceGuard guard;
+  RDMARPC_RETURN_IF_ERROR(UsePointersDevice(ptr));
   CUdeviceptr base = 0;
   size_t alloc_size = 0;
   CUresult r = d.get_address_range(&base, &alloc_size,
@@ -474,10 +546,35 @@ Status CudaSetSyncMemops(const void* ptr) {
   if (d.set_pointer_attribute == nullptr) {
     return absl::FailedPreconditionError(d.missing);
   }
+  DeviceGuard guard;
+  RDMARPC_RETURN_IF_ERROR(UsePointersDevice(ptr));
   unsigned int one = 1;
   CUresult r = d.set_pointer_attribute(&one, CU_POINTER_ATTRIBUTE_SYNC_MEMOPS,
                                        reinterpret_cast<CUdeviceptr>(ptr));
   if (r != CUDA_SUCCESS) return DriverError("cuPointerSetAttribute", r);
+  return absl::OkStatus();
+}
+
+Status CudaFlushRdmaWrites(int gpu) {
+  const Driver& d = GetDriver();
+  if (d.get_attribute == nullptr || d.flush_rdma_writes == nullptr) {
+    return absl::FailedPreconditionError(d.missing);
+  }
+  DeviceGuard guard;
+  RDMARPC_RETURN_IF_ERROR(UseDevice(gpu));
+  int ordering = 0;
+  CUresult r = d.get_attribute(
+      &ordering, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING, gpu);
+  if (r != CUDA_SUCCESS) {
+    return DriverError("cuDeviceGetAttribute(GPU_DIRECT_RDMA_WRITES_ORDERING)",
+                       r);
+  }
+  if (ordering >= CU_GPU_DIRECT_RDMA_WRITES_ORDERING_OWNER) {
+    return absl::OkStatus();  // the device orders them itself
+  }
+  r = d.flush_rdma_writes(CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
+                          CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER);
+  if (r != CUDA_SUCCESS) return DriverError("cuFlushGPUDirectRDMAWrites", r);
   return absl::OkStatus();
 }
 
@@ -502,9 +599,10 @@ bool CudaIsPinnedHost(const void*) { return false; }
 StatusOr<std::shared_ptr<CudaFence>> CudaRecordFence(int, void*) {
   return NotBuilt();
 }
-Status CudaCopyInChunks(int, const CudaFence*, void*, Device, const void*,
-                        Device, size_t, size_t,
-                        std::function<void(size_t, size_t)>) {
+Status CudaCopyInChunks(int, const CudaFence*, void*, const void*, size_t,
+                        size_t, std::function<void(size_t, size_t)>,
+                        int* queued) {
+  *queued = 0;
   return NotBuilt();
 }
 Status CudaThen(int, const CudaFence*, std::function<void()>) {
@@ -519,6 +617,7 @@ StatusOr<DmaBufRange> CudaExportDmaBuf(const void*, size_t) {
   return NotBuilt();
 }
 Status CudaSetSyncMemops(const void*) { return NotBuilt(); }
+Status CudaFlushRdmaWrites(int) { return NotBuilt(); }
 
 #endif  // RDMARPC_HAVE_CUDA
 

@@ -11,9 +11,11 @@
 //   // Copy a device tensor to pinned host memory in chunks, after the work
 //   // the producer queued on `stream`, and act on each chunk as it lands:
 //   RDMARPC_ASSIGN_OR_RETURN(auto fence, CudaRecordFence(0, stream));
+//   int queued = 0;
 //   RDMARPC_RETURN_IF_ERROR(CudaCopyInChunks(
-//       0, fence.get(), pinned, Device::Host(), src, Device::Cuda(0), n,
-//       kChunk, [](size_t offset, size_t len) { /* no CUDA calls here */ }));
+//       0, fence.get(), pinned, src, n, kChunk,
+//       [](size_t offset, size_t len) { /* no CUDA calls here */ },
+//       &queued));
 #ifndef RDMARPC_RUNTIME_CUDA_SUPPORT_H_
 #define RDMARPC_RUNTIME_CUDA_SUPPORT_H_
 
@@ -60,27 +62,29 @@ class CudaFence {
   [[nodiscard]] virtual Status Wait() = 0;
 };
 
-// Records a fence on `stream` (a cudaStream_t; nullptr is the legacy
-// default stream) of GPU `gpu`.
+// Records a fence on `stream` (a cudaStream_t, on whatever device it
+// belongs to; nullptr is the legacy default stream of GPU `gpu`).
 StatusOr<std::shared_ptr<CudaFence>> CudaRecordFence(int gpu, void* stream);
 
-// Copies `size` bytes on GPU `gpu`'s runtime copy stream, after `after`
-// (may be null), in chunks of `chunk` bytes; `on_chunk(offset, length)` runs
-// on CUDA's host-function thread once each chunk is in place, in order.
-// `on_chunk` must not call CUDA. Returns once the work is queued; the
-// memory must stay valid until the last `on_chunk` has run.
+// Copies `size` bytes on GPU `gpu`'s send copy stream, after `after` (may
+// be null), in chunks of `chunk` bytes; `on_chunk(offset, length)` runs on
+// CUDA's host-function thread once each chunk is in place, in order.
+// `on_chunk` must not call CUDA. Returns once the work is queued, with
+// *queued the number of `on_chunk` calls queued (also on an error); the
+// memory must stay valid until the last of them has run.
 [[nodiscard]] Status CudaCopyInChunks(
-    int gpu, const CudaFence* after, void* dst, Device dst_device,
-    const void* src, Device src_device, size_t size, size_t chunk,
-    std::function<void(size_t, size_t)> on_chunk);
+    int gpu, const CudaFence* after, void* dst, const void* src, size_t size,
+    size_t chunk, std::function<void(size_t, size_t)> on_chunk, int* queued);
 
 // Runs `fn` on CUDA's host-function thread after `after` (which must not be
-// null). `fn` must not call CUDA.
+// null), in order with CudaCopyInChunks on the same GPU. `fn` must not call
+// CUDA.
 [[nodiscard]] Status CudaThen(int gpu, const CudaFence* after,
                               std::function<void()> fn);
 
 // Copies bytes that have landed (for example by RDMA, in pinned memory) to
-// their place on a GPU, on the runtime copy stream. With `consumer` set,
+// their place on a GPU, on the receive copy stream (never queued behind a
+// send's wait for its producer). With `consumer` set,
 // work queued on that stream afterwards is ordered after the copy and the
 // function returns at once (`keep` is released when the copy is done);
 // otherwise it returns once the copy is done.
@@ -114,6 +118,12 @@ StatusOr<DmaBufRange> CudaExportDmaBuf(const void* ptr, size_t size);
 // respect to a NIC reading or writing it (CU_POINTER_ATTRIBUTE_SYNC_MEMOPS),
 // as peer-memory registration needs.
 [[nodiscard]] Status CudaSetSyncMemops(const void* ptr);
+
+// Makes RDMA writes that landed in GPU `gpu`'s memory visible to its
+// kernels, where the device does not order them itself
+// (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING below OWNER):
+// cuFlushGPUDirectRDMAWrites.
+[[nodiscard]] Status CudaFlushRdmaWrites(int gpu);
 
 }  // namespace rdmarpc::internal
 

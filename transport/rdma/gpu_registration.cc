@@ -80,9 +80,10 @@ StatusOr<GpuRdmaMode> GpuRdmaModeFromEnvironment() {
 }
 
 Status ProbeNicDmaBuf(ibv_pd* pd) {
-  // fd -1 is never a dma-buf: a driver that takes dma-bufs fails the call
-  // with EBADF when it looks the fd up; one that does not, earlier and
-  // with another error.
+  // fd -1 is never a dma-buf, so the call fails either way: a provider
+  // without dma-buf support says EOPNOTSUPP (or EPROTONOSUPPORT) before
+  // looking at the fd; any other error (EBADF, usually) means it got as
+  // far as the fd. NCCL reads the answer the same way.
   errno = 0;
   ibv_mr* mr = ibv_reg_dmabuf_mr(pd, 0, 0, 0, -1, IBV_ACCESS_LOCAL_WRITE);
   int err = errno;
@@ -92,7 +93,10 @@ Status ProbeNicDmaBuf(ibv_pd* pd) {
         "the RDMA driver accepted a dma-buf registration with fd -1; not "
         "trusting it");
   }
-  if (err == EBADF) return absl::OkStatus();
+  if (err != 0 && err != EOPNOTSUPP && err != EPROTONOSUPPORT &&
+      err != ENOSYS) {
+    return absl::OkStatus();
+  }
   return absl::FailedPreconditionError(absl::StrCat(
       "the RDMA device's driver does not take dma-bufs (ibv_reg_dmabuf_mr: ",
       std::strerror(err == 0 ? EOPNOTSUPP : err), ")"));

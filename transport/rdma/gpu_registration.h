@@ -4,9 +4,9 @@
 // Detection, best first (docs/design.md, "GPU payloads"):
 //   dma-buf      the GPU exports dma-bufs (CU_DEVICE_ATTRIBUTE_DMA_BUF_-
 //                SUPPORTED) and the NIC's driver takes them: an
-//                ibv_reg_dmabuf_mr with fd -1 fails with EBADF (a driver
-//                without dma-buf support says EOPNOTSUPP or ENOSYS), as
-//                NCCL probes it.
+//                ibv_reg_dmabuf_mr with fd -1 fails with an error other
+//                than EOPNOTSUPP / EPROTONOSUPPORT / ENOSYS (EBADF, as a
+//                rule), as NCCL probes it.
 //   peer-memory  nvidia-peermem is loaded (/sys/module/nvidia_peermem, or
 //                the older nv_peer_mem's /sys/kernel/mm/memory_peers/nv_mem):
 //                ibv_reg_mr takes device pointers.

@@ -156,14 +156,30 @@ internal::ThreadPool& PostFailures() {
   return *pool;
 }
 
-// Posts the writes of a grant with GPU parts in stream order on the copy
-// stream: after the producer's fence, each staged part chunk by chunk as
-// its copy lands, the others as they come.
-StatusOr<int> WriteGpuOrdered(const Grant& grant, const OutgoingPayload& out,
-                              std::span<const LocalMemory> sources,
-                              const std::shared_ptr<Connection>& conn,
-                              const std::function<void(Status)>& done) {
-  auto post = [conn, done](Connection::WriteRequest w) {
+// The buffers a grant's GPU-ordered writes read, held by every queued
+// host function so that a call finished early (its connection closed) does
+// not hand them back while a copy or write still uses them. The last holder
+// may be a host function: the release (a cudaFree, for one) then runs on a
+// runtime thread.
+std::shared_ptr<std::vector<TensorBuffer>> HoldForWrites(
+    const std::vector<TensorBuffer>& keep) {
+  return std::shared_ptr<std::vector<TensorBuffer>>(
+      new std::vector<TensorBuffer>(keep), [](std::vector<TensorBuffer>* v) {
+        PostFailures().Post([v] { delete v; });
+      });
+}
+
+// Posts the writes of a grant with GPU parts in stream order on the send
+// copy stream: after the producer's fence, each staged part chunk by chunk
+// as its copy lands, the others as they come. Returns the number of writes
+// queued; if queueing fails part-way, the connection is closed and the
+// writes already queued report through `done` when they fail to post.
+int WriteGpuOrdered(const Grant& grant, const OutgoingPayload& out,
+                    std::span<const LocalMemory> sources,
+                    const std::shared_ptr<Connection>& conn,
+                    const std::function<void(Status)>& done) {
+  auto held = HoldForWrites(out.keep);
+  auto post = [conn, done, held](Connection::WriteRequest w) {
     Status posted = conn->Write(w, done);
     if (!posted.ok()) PostFailures().Post([done, posted] { done(posted); });
   };
@@ -184,11 +200,11 @@ StatusOr<int> WriteGpuOrdered(const Grant& grant, const OutgoingPayload& out,
       queued = internal::CudaThen(gpu, out.fence.get(), [post, w] { post(w); });
       if (queued.ok()) ++counted;
     } else {
-      const size_t chunks = (src.size + kStagingChunk - 1) / kStagingChunk;
       const uint32_t grant_id = grant.grant_id();
+      int chunks = 0;
       queued = internal::CudaCopyInChunks(
-          gpu, out.fence.get(), const_cast<void*>(src.data), Device::Host(),
-          src.staged_from, Device::Cuda(src.gpu), src.size, kStagingChunk,
+          gpu, out.fence.get(), const_cast<void*>(src.data), src.staged_from,
+          src.size, kStagingChunk,
           [post, w, last_part, grant_id](size_t offset, size_t length) {
             Connection::WriteRequest piece = w;
             piece.local = static_cast<const char*>(w.local) + offset;
@@ -198,17 +214,16 @@ StatusOr<int> WriteGpuOrdered(const Grant& grant, const OutgoingPayload& out,
               piece.immediate = grant_id;
             }
             post(piece);
-          });
-      if (queued.ok()) counted += static_cast<int>(chunks);
+          },
+          &chunks);
+      counted += chunks;
     }
     if (!queued.ok()) {
-      // Writes already queued fail to post on the closed connection and
-      // report through `done`.
       conn->Close(
           absl::InternalError(absl::StrCat(
               "queueing a GPU part's writes failed: ", queued.message())),
           "CUDA error");
-      return absl::InternalError(queued.message());
+      break;
     }
   }
   return counted;
@@ -384,22 +399,42 @@ StatusOr<internal::IncomingResult> FinishPayload(
     const internal::ConsumerStream* consumer) {
   // The grant ends here: the peer can no longer write into this memory.
   in->landing_mrs.clear();
-  uint64_t staged_bytes = 0;
+  // Staged parts: their GPU destination is bound now and filled last, once
+  // every check has passed, so that no copy is in flight on an error.
+  struct Staged {
+    TensorBuffer pinned, dst;
+    Device to;
+  };
+  std::vector<Staged> staged;
   for (size_t k = 0; k < in->landing.size(); ++k) {
     const Device to = in->staged_device[k];
-    if (!to.is_cuda()) continue;
-    TensorBuffer pinned = std::move(in->landing[k]);
+    if (!to.is_cuda()) {
+      if (in->landing[k].device().is_cuda()) {
+        RDMARPC_RETURN_IF_ERROR(
+            internal::CudaFlushRdmaWrites(in->landing[k].device().index));
+      }
+      continue;
+    }
     TensorBuffer dst = std::move(in->staged_to[k]);
     if (dst.empty()) {
       RDMARPC_ASSIGN_OR_RETURN(
-          dst, internal::AllocateGpuLanding(to.index, pinned.size()));
+          dst, internal::AllocateGpuLanding(to.index, in->landing[k].size()));
     }
-    RDMARPC_RETURN_IF_ERROR(
-        internal::CudaCopyOrdered(dst.data(), to, pinned.data(), Device::Host(),
-                                  pinned.size(), consumer, pinned));
-    staged_bytes += pinned.size();
+    staged.push_back({std::move(in->landing[k]), dst, to});
     in->landing[k] = std::move(dst);
   }
+  auto copy_staged = [&](const internal::ConsumerStream* to_stream) -> Status {
+    for (Staged& st : staged) {
+      RDMARPC_RETURN_IF_ERROR(internal::CudaCopyOrdered(
+          st.dst.data(), st.to, st.pinned.data(), Device::Host(),
+          st.pinned.size(), to_stream, st.pinned));
+    }
+    return absl::OkStatus();
+  };
+  // A field placed apart from where its bytes landed is moved by
+  // AcceptIncoming, which must then read the copied bytes.
+  const bool fill_first = !placement.by_field.empty();
+  if (fill_first) RDMARPC_RETURN_IF_ERROR(copy_staged(nullptr));
   std::vector<TensorBuffer> landed(in->parts.size());
   for (size_t k = 0; k < in->landing.size(); ++k) {
     landed[in->landing_part[k]] = in->landing[k];
@@ -438,7 +473,9 @@ StatusOr<internal::IncomingResult> FinishPayload(
       internal::IncomingResult result,
       internal::AcceptIncoming(msg, parts, placement, max_tensor_bytes,
                                std::move(owner), tensors));
-  result.cpu_copied_bytes += copied + staged_bytes;
+  if (!fill_first) RDMARPC_RETURN_IF_ERROR(copy_staged(consumer));
+  for (const Staged& st : staged) result.cpu_copied_bytes += st.pinned.size();
+  result.cpu_copied_bytes += copied;
   return result;
 }
 

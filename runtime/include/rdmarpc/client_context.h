@@ -97,7 +97,9 @@ class ClientContext {
   // work queued on it after the call completes, without a device-wide
   // synchronization. Without a stream set, the call completes only once
   // response tensors are in place, and device tensors are read after the
-  // work queued on the legacy default stream.
+  // work queued on the legacy default stream. Keep a received device
+  // tensor (its TensorView or buffer) until the work queued on this stream
+  // has used it: its memory then goes back to the runtime's pool.
   void set_cuda_stream(void* stream) {
     cuda_stream_ = stream;
     has_cuda_stream_ = true;
