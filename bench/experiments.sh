@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# One group of bench/run_all.sh's experiments: `grpc` (rdmarpc's gRPC
+# fallback and stock gRPC, loopback) or `rdma` (rdmarpc over RDMA, perftest,
+# the micro-benchmarks; run where an RDMA device is). Appends CSV files to
+# $RDMARPC_BENCH_OUT and prints a progress line per experiment.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+group="$1"
+out="${RDMARPC_BENCH_OUT:?set by bench/run_all.sh}"
+machine="${RDMARPC_BENCH_MACHINE:-unknown}"
+bin="${BUILD_DIR:-build}/bench"
+quick="${RDMARPC_BENCH_QUICK:-}"
+
+rdma_kind="none"
+if [[ "$group" == rdma ]]; then
+  dev=$(ibv_devices | awk 'NR > 2 {print $1; exit}')
+  rdma_kind="hardware ($dev)"
+  if [[ "$dev" == rxe* ]]; then
+    rdma_kind="soft-RoCE ($dev)"
+    grep -q hypervisor /proc/cpuinfo && rdma_kind="soft-RoCE in a VM ($dev)"
+  fi
+fi
+
+step=0
+# run NAME COMMAND...: the command prints "experiment,system,param,metric,
+# value,unit" rows; they go to NAME.csv with the machine, RDMA kind and the
+# exact command appended.
+run() {
+  local name="$1"
+  shift
+  step=$((step + 1))
+  local t0=$SECONDS
+  local csv="$out/$name.csv"
+  [[ -s "$csv" ]] || echo "experiment,system,param,metric,value,unit,machine,rdma,command" >"$csv"
+  echo "bench: [$group $step] $name: $* ..." >&2
+  "$@" | while IFS= read -r row; do
+    echo "$row,\"$machine\",\"$rdma_kind\",\"$*\""
+  done >>"$csv"
+  echo "bench: [$group $step] $name done in $((SECONDS - t0)) s" >&2
+}
+
+small="64 256 1024 4096"
+if [[ -n "$quick" ]]; then
+  big_grpc="4096 1048576 67108864"
+  big_rdma="4096 1048576 67108864"
+  depths="1 8 64"
+  conns="1 8 32"
+  fans="1 4 8"
+else
+  big_grpc="4096 65536 1048576 16777216 67108864 268435456 1073741824"
+  big_rdma="4096 65536 1048576 16777216 67108864 268435456"
+  depths="1 2 4 8 16 32 64"
+  conns="1 2 4 8 16 32"
+  fans="1 2 4 8"
+fi
+
+if [[ "$group" == grpc ]]; then
+  for sys in grpc stock; do
+    run latency "$bin/rpc_bench" latency "$sys" $small
+    run throughput "$bin/rpc_bench" throughput "$sys" $big_grpc
+    run inflight "$bin/rpc_bench" inflight "$sys" $depths
+    run connections "$bin/rpc_bench" connections "$sys" $conns
+    run fanout "$bin/rpc_bench" fanout "$sys" $fans
+  done
+  exit 0
+fi
+
+addr="${RDMARPC_RDMA_ADDR:-$(ip -4 -o addr show | awk '$2 != "lo" {split($4, a, "/"); print a[1]; exit}')}"
+# perftest_rows TOOL SIZE: one row from perftest's result line.
+perftest() {
+  local tool="$1" size="$2"
+  "$tool" -d "$dev" -R -s "$size" -n "$3" >/dev/null 2>&1 &
+  local server=$!
+  sleep 1
+  "$tool" -d "$dev" -R -s "$size" -n "$3" "$addr" 2>/dev/null |
+    awk -v tool="$tool" -v size="$size" '
+      $1 == size && tool == "ib_send_lat" {
+        print "perftest,ib_send_lat," size ",t_typical," $5 ",us" }
+      $1 == size && tool == "ib_write_bw" {
+        print "perftest,ib_write_bw," size ",bw_average," $4 ",MB/s" }'
+  wait "$server" || true
+}
+perftest_all() {
+  for s in $small; do perftest ib_send_lat "$s" 2000; done
+  for s in $big_rdma; do
+    n=20
+    [[ "$s" -ge 67108864 ]] && n=5
+    perftest ib_write_bw "$s" "$n"
+  done
+}
+run perftest perftest_all
+run latency "$bin/rpc_bench" latency rdma $small
+run throughput "$bin/rpc_bench" throughput rdma $big_rdma
+run inflight "$bin/rpc_bench" inflight rdma $depths
+run connections "$bin/rpc_bench" connections rdma $conns
+run fanout "$bin/rpc_bench" fanout rdma $fans
+run threshold "$bin/rpc_bench" threshold rdma 256 1024 4096 8192 16384 24576
+micro() {
+  "$bin/micro_bench" --benchmark_format=csv 2>/dev/null |
+    awk -F, 'NR > 1 && $1 ~ /^"BM_/ {
+      gsub(/"/, "", $1); split($1, a, "/");
+      print "micro," a[1] "," a[2] ",cpu_time," $4 "," $5 }'
+}
+run micro micro

@@ -1,0 +1,251 @@
+#!/usr/bin/env python3
+"""Writes summary.md and PNG plots from the CSV files of bench/run_all.sh.
+
+    python3 bench/report.py RESULTS_DIR
+
+Ratios compare rows measured in the same run: rdmarpc over RDMA against
+perftest on the same device, rdmarpc's gRPC fallback against stock gRPC on
+the same machine.
+"""
+import csv
+import datetime
+import os
+import sys
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def load(out):
+    rows = []
+    for name in sorted(os.listdir(out)):
+        if name.endswith(".csv"):
+            with open(os.path.join(out, name), newline="") as f:
+                rows.extend(csv.DictReader(f))
+    return rows
+
+
+def index(rows):
+    """(experiment, system, metric) -> {param: value}"""
+    table = defaultdict(dict)
+    for r in rows:
+        try:
+            table[(r["experiment"], r["system"], r["metric"])][
+                int(r["param"])] = float(r["value"])
+        except ValueError:
+            table[(r["experiment"], r["system"], r["metric"])][
+                r["param"]] = float(r["value"])
+    return table
+
+
+def size_text(n):
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+def fmt(v):
+    return "-" if v is None else (f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}")
+
+
+def ratio(a, b):
+    return None if a is None or b in (None, 0) else a / b
+
+
+def plot(path, title, xlabel, ylabel, series, logx=True, logy=False):
+    if not any(points for _, points in series):
+        return
+    plt.figure(figsize=(7, 4.2))
+    for label, points in series:
+        if points:
+            xs = sorted(points)
+            plt.plot(xs, [points[x] for x in xs], marker="o", label=label)
+    if logx:
+        plt.xscale("log", base=2)
+    if logy:
+        plt.yscale("log")
+    plt.title(title)
+    plt.xlabel(xlabel)
+    plt.ylabel(ylabel)
+    plt.grid(True, alpha=0.3)
+    plt.legend()
+    plt.tight_layout()
+    plt.savefig(path, dpi=110)
+    plt.close()
+
+
+def main():
+    out = sys.argv[1]
+    rows = load(out)
+    t = index(rows)
+    get = lambda e, s, m: t.get((e, s, m), {})  # noqa: E731
+    machine = rows[0]["machine"] if rows else "?"
+    rdma_kind = next((r["rdma"] for r in rows if r["rdma"] != "none"), "none")
+    md = [f"# rdmarpc benchmarks, {datetime.date.today().isoformat()}", "",
+          f"Machine: {machine}. RDMA: {rdma_kind}. Command: "
+          "`bench/run_all.sh`. Every row's exact command is in the CSV "
+          "files.", ""]
+    if "soft-RoCE" in rdma_kind:
+        md += ["Soft-RoCE is emulated (in a VM here): read its figures only "
+               "as ratios to perftest on the same device in the same boot.",
+               ""]
+    targets = []
+
+    # RDMA vs perftest.
+    lat = get("latency", "rdma", "p50")
+    lat99 = get("latency", "rdma", "p99")
+    send = get("perftest", "ib_send_lat", "t_typical")
+    if lat:
+        md += ["## RDMA small calls vs 2 x ib_send_lat", "",
+               "| size | rdmarpc p50 (us) | p99 (us) | 2 x ib_send_lat (us) "
+               "| ratio |", "|---|---|---|---|---|"]
+        for s in sorted(lat):
+            ref = 2 * send[s] if s in send else None
+            md.append(f"| {size_text(s)} | {fmt(lat[s])} | "
+                      f"{fmt(lat99.get(s))} | {fmt(ref)} | "
+                      f"{fmt(ratio(lat[s], ref))} |")
+        worst = max((ratio(lat[s], 2 * send[s]) for s in lat if s in send),
+                    default=None)
+        targets.append(("RDMA small-call round trip <= 1.5 x (2 x ib_send_lat)",
+                        worst, worst is not None and worst <= 1.5))
+        md.append("")
+    bw = get("throughput", "rdma", "throughput")
+    wbw = get("perftest", "ib_write_bw", "bw_average")
+    if bw:
+        md += ["## RDMA tensor throughput vs ib_write_bw", "",
+               "| size | rdmarpc (MB/s) | ib_write_bw (MB/s) | ratio |",
+               "|---|---|---|---|"]
+        for s in sorted(bw):
+            md.append(f"| {size_text(s)} | {fmt(bw[s])} | {fmt(wbw.get(s))} "
+                      f"| {fmt(ratio(bw[s], wbw.get(s)))} |")
+        r = ratio(bw.get(64 << 20), wbw.get(64 << 20))
+        targets.append(("64 MiB over RDMA >= 0.90 x ib_write_bw", r,
+                        r is not None and r >= 0.90))
+        md.append("")
+
+    # gRPC fallback vs stock gRPC.
+    g50, s50 = get("latency", "grpc", "p50"), get("latency", "stock", "p50")
+    if g50:
+        md += ["## gRPC fallback vs stock gRPC: small calls", "",
+               "| size | fallback p50 / p99 / p999 (us) | stock p50 / p99 / "
+               "p999 (us) | p50 ratio |", "|---|---|---|---|"]
+        for s in sorted(g50):
+            fb = "/".join(fmt(get("latency", "grpc", m).get(s))
+                          for m in ("p50", "p99", "p999"))
+            st = "/".join(fmt(get("latency", "stock", m).get(s))
+                          for m in ("p50", "p99", "p999"))
+            md.append(f"| {size_text(s)} | {fb} | {st} | "
+                      f"{fmt(ratio(g50[s], s50.get(s)))} |")
+        worst = max((ratio(g50[s], s50[s]) for s in g50 if s in s50),
+                    default=None)
+        targets.append(("gRPC fallback small-call p50 <= 1.1 x stock gRPC",
+                        worst, worst is not None and worst <= 1.1))
+        md.append("")
+    gbw, sbw = (get("throughput", "grpc", "throughput"),
+                get("throughput", "stock", "throughput"))
+    if gbw:
+        md += ["## gRPC fallback vs stock gRPC: tensor throughput", "",
+               "Stock gRPC runs with its message limits raised (-1): by "
+               "default it refuses messages over 4 MB.", "",
+               "| size | fallback (MB/s) | stock (MB/s) | ratio | CPU s/GB "
+               "fallback | CPU s/GB stock |", "|---|---|---|---|---|---|"]
+        gcpu = get("throughput", "grpc", "cpu_per_gb")
+        scpu = get("throughput", "stock", "cpu_per_gb")
+        for s in sorted(gbw):
+            md.append(f"| {size_text(s)} | {fmt(gbw[s])} | {fmt(sbw.get(s))} "
+                      f"| {fmt(ratio(gbw[s], sbw.get(s)))} | "
+                      f"{fmt(gcpu.get(s))} | {fmt(scpu.get(s))} |")
+        r = ratio(gbw.get(64 << 20), sbw.get(64 << 20))
+        targets.append(("64 MiB over the gRPC fallback >= 1.3 x stock gRPC",
+                        r, r is not None and r >= 1.3))
+        md.append("")
+
+    # Tail latency at steady load, every path.
+    for system in ("rdma", "grpc", "stock"):
+        p50, p99 = (get("latency", system, "p50"),
+                    get("latency", system, "p99"))
+        if p50:
+            worst = max(p99[s] / p50[s] for s in p50 if s in p99)
+            targets.append((f"p99 <= 3 x p50 for small calls ({system})",
+                            worst, worst <= 3))
+
+    # Concurrency, fan-out, CPU cost.
+    for exp, label, metric, unit in (
+            ("inflight", "calls in flight on one connection", "calls_per_s",
+             "calls/s"),
+            ("connections", "connections, one call in flight each",
+             "calls_per_s", "calls/s"),
+            ("fanout", "servers receiving the same 16 MiB tensor",
+             "throughput", "MB/s")):
+        systems = [s for s in ("rdma", "grpc", "stock")
+                   if get(exp, s, metric)]
+        if not systems:
+            continue
+        md += [f"## {label}", "", "| " + exp + " | " +
+               " | ".join(f"{s} ({unit})" for s in systems) + " |",
+               "|---" * (len(systems) + 1) + "|"]
+        params = sorted({p for s in systems for p in get(exp, s, metric)})
+        for p in params:
+            md.append(f"| {p} | " + " | ".join(
+                fmt(get(exp, s, metric).get(p)) for s in systems) + " |")
+        md.append("")
+        plot(os.path.join(out, f"{exp}.png"), label, exp, unit,
+             [(s, get(exp, s, metric)) for s in systems])
+    cpu = [(s, get("latency", s, "cpu_per_million_calls").get(64))
+           for s in ("rdma", "grpc", "stock")]
+    if any(v for _, v in cpu):
+        md += ["## CPU cost (client and server in one process, getrusage)",
+               "", "| path | CPU s per million 64 B calls | CPU s per GB at "
+               "64 MiB |", "|---|---|---|"]
+        for s, v in cpu:
+            if v is None:
+                continue
+            md.append(f"| {s} | {fmt(v)} | "
+                      f"{fmt(get('throughput', s, 'cpu_per_gb').get(64 << 20))} |")
+        md.append("")
+    inl, wr = (get("threshold", "rdma", "inline_p50"),
+               get("threshold", "rdma", "written_p50"))
+    if inl:
+        md += ["## RDMA inline threshold: tensor in the SEND vs written", "",
+               "| size | in the SEND p50 (us) | written p50 (us) |",
+               "|---|---|---|"]
+        for s in sorted(inl):
+            md.append(f"| {size_text(s)} | {fmt(inl[s])} | {fmt(wr.get(s))} |")
+        md.append("")
+    micro = [r for r in rows if r["experiment"] == "micro"]
+    if micro:
+        md += ["## Micro-benchmarks (Google Benchmark, CPU time)", "",
+               "| case | arg | time |", "|---|---|---|"]
+        for r in micro:
+            md.append(f"| {r['system']} | {r['param']} | {r['value']} "
+                      f"{r['unit']} |")
+        md.append("")
+
+    plot(os.path.join(out, "latency.png"), "small-call round trip (p50)",
+         "request bytes", "us",
+         [("rdmarpc RDMA", lat),
+          ("2 x ib_send_lat", {k: 2 * v for k, v in send.items()}),
+          ("rdmarpc gRPC fallback", g50), ("stock gRPC", s50)], logy=True)
+    plot(os.path.join(out, "throughput.png"), "tensor throughput",
+         "tensor bytes", "MB/s",
+         [("rdmarpc RDMA", bw), ("ib_write_bw", wbw),
+          ("rdmarpc gRPC fallback", gbw), ("stock gRPC", sbw)], logy=True)
+
+    md[4:4] = ["## Targets", "", "| target | measured | met |",
+               "|---|---|---|"] + [
+        f"| {name} | {fmt(v)} | {'yes' if ok else 'NO'} |"
+        for name, v, ok in targets] + [""]
+    md += ["Plots: " + ", ".join(
+        f"![{p}]({p})" for p in sorted(os.listdir(out))
+        if p.endswith(".png"))]
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    print("\n".join(md[:4 + 4 + len(targets)]))
+
+
+if __name__ == "__main__":
+    main()

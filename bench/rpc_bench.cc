@@ -1,0 +1,449 @@
+// rpc_bench: the benchmark driver. One experiment per run, one CSV row per
+// result on stdout:
+//   experiment,system,transport,param,metric,value,unit
+//
+//   rpc_bench latency     SYSTEM SIZES...   sequential calls: p50/p99/p999 us
+//   rpc_bench throughput  SYSTEM SIZES...   sequential calls: MB/s, CPU s/GB
+//   rpc_bench inflight    SYSTEM DEPTHS...  64 B calls, DEPTH in flight on one
+//                                           channel: calls/s, p50/p99 us
+//   rpc_bench connections SYSTEM COUNTS...  64 B calls, one in flight on each
+//                                           of COUNT channels: calls/s
+//   rpc_bench fanout      SYSTEM SERVERS... one 16 MiB tensor to each of
+//                                           SERVERS servers at once: MB/s
+//   rpc_bench threshold   rdma SIZES...     round trip p50 with the tensor
+//                                           in the SEND and by RDMA WRITE
+//                                           (what sets the inline threshold)
+//
+// SYSTEM: rdma (rdmarpc, policy rdma), grpc (rdmarpc's gRPC fallback,
+// policy grpc) or stock (stock gRPC with grpc_cpp_plugin stubs, message
+// limits raised: stock gRPC refuses messages over 4 MB otherwise). Client
+// and servers run in this process over loopback (RDMA: the local device).
+// CPU seconds are this process's user+system time (getrusage), so they
+// include both ends.
+#include <grpcpp/grpcpp.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "e2e_test.rdmarpc.pb.h"
+#include "rdmarpc/rdmarpc.h"
+#include "stock.grpc.pb.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// One client of one server: a call carries `bytes` request bytes and gets a
+// small response; `done(ok)` runs once.
+class Target {
+ public:
+  virtual ~Target() = default;
+  virtual void Call(size_t bytes, std::function<void(bool)> done) = 0;
+
+  bool CallBlocking(size_t bytes) {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool finished = false, ok = false;
+    Call(bytes, [&](bool result) {
+      std::lock_guard<std::mutex> lock(mu);
+      ok = result;
+      finished = true;
+      cv.notify_one();
+    });
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return finished; });
+    return ok;
+  }
+};
+
+// The bytes every request sends (read-only, shared by all calls).
+const std::vector<uint8_t>& Payload(size_t bytes) {
+  static std::vector<uint8_t> data;
+  if (data.size() < bytes) {
+    if (!data.empty()) {
+      (void)rdmarpc::UnregisterMemoryForRdma(data.data());
+    }
+    data.assign(bytes, 0x5a);
+    // Registered once, as perftest registers its buffer once.
+    (void)rdmarpc::RegisterMemoryForRdma(data.data(), data.size());
+  }
+  return data;
+}
+
+class Sink final : public rdmarpc_test::E2E::Service {
+ public:
+  rdmarpc::Status Echo(rdmarpc::ServerContext*,
+                       const rdmarpc_test::EchoRequest& req,
+                       rdmarpc_test::EchoResponse* resp) override {
+    resp->set_note(req.note());
+    return absl::OkStatus();
+  }
+};
+
+class RdmarpcServer {
+ public:
+  RdmarpcServer() {
+    auto server = rdmarpc::ServerBuilder()
+                      .AddListeningPort("127.0.0.1:0", &port_)
+                      .RegisterService(&sink_)
+                      .SetTensorPlacement(rdmarpc::Device::Host())
+                      .BuildAndStart();
+    if (!server.ok()) {
+      std::fprintf(stderr, "server: %s\n", server.status().ToString().c_str());
+      std::exit(1);
+    }
+    server_ = *std::move(server);
+  }
+  int port() const { return port_; }
+
+ private:
+  Sink sink_;
+  int port_ = 0;
+  std::unique_ptr<rdmarpc::Server> server_;
+};
+
+class RdmarpcTarget final : public Target {
+ public:
+  // `inline_threshold` 0: the server's.
+  RdmarpcTarget(int port, rdmarpc::TransportPolicy policy,
+                uint64_t inline_threshold = 0) {
+    rdmarpc::ChannelOptions options;
+    options.policy = policy;
+    options.rdma_inline_threshold = inline_threshold;
+    expected_ = policy == rdmarpc::TransportPolicy::kRdma
+                    ? rdmarpc::TransportKind::kRdma
+                    : rdmarpc::TransportKind::kGrpc;
+    stub_ = rdmarpc_test::E2E::NewStub(
+        rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port), options));
+  }
+
+  void Call(size_t bytes, std::function<void(bool)> done) override {
+    struct State {
+      rdmarpc::ClientContext ctx;
+      rdmarpc_test::EchoRequest req;
+      rdmarpc_test::EchoResponse resp;
+    };
+    auto state = std::make_shared<State>();
+    if (bytes > 0) {
+      const auto& data = Payload(bytes);
+      (void)state->ctx.tensors().Set(
+          state->req.mutable_tensor(), rdmarpc::DTYPE_U8,
+          {static_cast<int64_t>(bytes)},
+          rdmarpc::TensorBuffer::Borrow(data.data(), bytes));
+    }
+    stub_->Echo(&state->ctx, state->req, &state->resp,
+                [this, state, done = std::move(done)](rdmarpc::Status s) {
+                  bool ok = s.ok() && state->ctx.stats().transport == expected_;
+                  if (!ok) {
+                    std::fprintf(stderr, "call failed or rerouted: %s (%s)\n",
+                                 s.ToString().c_str(),
+                                 state->ctx.stats().ToString().c_str());
+                  }
+                  done(ok);
+                });
+  }
+
+ private:
+  rdmarpc::TransportKind expected_;
+  std::unique_ptr<rdmarpc_test::E2E::Stub> stub_;
+};
+
+class StockService final : public rdmarpc_bench::Stock::Service {
+  grpc::Status Echo(grpc::ServerContext*, const rdmarpc_bench::Blob* req,
+                    rdmarpc_bench::Blob* resp) override {
+    resp->set_note(req->note());
+    return grpc::Status::OK;
+  }
+};
+
+class StockServer {
+ public:
+  StockServer() {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                             &port_);
+    builder.SetMaxReceiveMessageSize(-1);
+    builder.SetMaxSendMessageSize(-1);
+    builder.RegisterService(&service_);
+    server_ = builder.BuildAndStart();
+    if (!server_) {
+      std::fprintf(stderr, "stock gRPC server did not start\n");
+      std::exit(1);
+    }
+  }
+  ~StockServer() { server_->Shutdown(); }
+  int port() const { return port_; }
+
+ private:
+  StockService service_;
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+class StockTarget final : public Target {
+ public:
+  explicit StockTarget(int port, int channel_index) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(-1);
+    args.SetMaxSendMessageSize(-1);
+    // A connection of its own per channel, as rdmarpc channels have.
+    args.SetInt("rdmarpc_bench.channel", channel_index);
+    stub_ = rdmarpc_bench::Stock::NewStub(
+        grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port),
+                                  grpc::InsecureChannelCredentials(), args));
+  }
+
+  void Call(size_t bytes, std::function<void(bool)> done) override {
+    struct State {
+      grpc::ClientContext ctx;
+      rdmarpc_bench::Blob req;
+      rdmarpc_bench::Blob resp;
+    };
+    auto state = std::make_shared<State>();
+    const auto& data = Payload(bytes);
+    state->req.set_data(data.data(), bytes);
+    stub_->async()->Echo(&state->ctx, &state->req, &state->resp,
+                         [state, done = std::move(done)](grpc::Status s) {
+                           if (!s.ok()) {
+                             std::fprintf(stderr, "stock call failed: %s\n",
+                                          s.error_message().c_str());
+                           }
+                           done(s.ok());
+                         });
+  }
+
+ private:
+  std::unique_ptr<rdmarpc_bench::Stock::Stub> stub_;
+};
+
+// Servers and clients of one system.
+struct System {
+  std::string name;
+  std::vector<std::unique_ptr<RdmarpcServer>> rdmarpc_servers;
+  std::vector<std::unique_ptr<StockServer>> stock_servers;
+
+  int StartServer() {
+    if (name == "stock") {
+      stock_servers.push_back(std::make_unique<StockServer>());
+      return stock_servers.back()->port();
+    }
+    rdmarpc_servers.push_back(std::make_unique<RdmarpcServer>());
+    return rdmarpc_servers.back()->port();
+  }
+
+  std::unique_ptr<Target> Connect(int port, int index) {
+    if (name == "stock") return std::make_unique<StockTarget>(port, index);
+    return std::make_unique<RdmarpcTarget>(
+        port, name == "rdma" ? rdmarpc::TransportPolicy::kRdma
+                             : rdmarpc::TransportPolicy::kGrpc);
+  }
+};
+
+double CpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_utime.tv_sec + u.ru_stime.tv_sec +
+         (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+}
+
+double Pct(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
+}
+
+std::string g_experiment, g_system;
+
+void Row(const std::string& param, const char* metric, double value,
+         const char* unit) {
+  std::printf("%s,%s,%s,%s,%.3f,%s\n", g_experiment.c_str(), g_system.c_str(),
+              param.c_str(), metric, value, unit);
+  std::fflush(stdout);
+}
+
+void Fail(const char* what) {
+  std::fprintf(stderr, "rpc_bench: %s failed\n", what);
+  std::exit(1);
+}
+
+// Calls of `bytes` until `min_calls` and `min_seconds` are both reached.
+std::vector<double> Sequential(Target* t, size_t bytes, int min_calls,
+                               double min_seconds, double* seconds) {
+  const int warm_up = bytes >= (1 << 20) ? 1 : 10;
+  for (int i = 0; i < warm_up; ++i) {
+    if (!t->CallBlocking(bytes)) Fail("warm-up call");
+  }
+  std::vector<double> us;
+  auto start = Clock::now();
+  while (static_cast<int>(us.size()) < min_calls ||
+         std::chrono::duration<double>(Clock::now() - start).count() <
+             min_seconds) {
+    auto t0 = Clock::now();
+    if (!t->CallBlocking(bytes)) Fail("call");
+    us.push_back(
+        std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+  }
+  *seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return us;
+}
+
+// Keeps `depth` calls in flight on each target for `seconds`; returns the
+// latency of each call in microseconds.
+std::vector<double> ClosedLoop(std::vector<std::unique_ptr<Target>>& targets,
+                               int depth, size_t bytes, double seconds,
+                               uint64_t* calls) {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<double> us;
+  int running = 0;  // guarded by mu
+  std::atomic<bool> stop{false};
+  std::function<void(Target*)> issue = [&](Target* t) {
+    auto t0 = Clock::now();
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ++running;
+    }
+    t->Call(bytes, [&, t, t0](bool ok) {
+      if (!ok) Fail("call");
+      if (!stop.load()) issue(t);
+      std::lock_guard<std::mutex> lock(mu);
+      us.push_back(
+          std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      if (--running == 0) cv.notify_all();
+    });
+  };
+  for (auto& t : targets) {
+    for (int i = 0; i < depth; ++i) issue(t.get());
+  }
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  stop.store(true);
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return running == 0; });
+  *calls = us.size();
+  return us;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 4) {
+    std::fprintf(stderr,
+                 "usage: %s latency|throughput|inflight|connections|fanout|"
+                 "threshold rdma|grpc|stock VALUES...\n",
+                 argv[0]);
+    return 2;
+  }
+  g_experiment = argv[1];
+  g_system = argv[2];
+  std::vector<uint64_t> values;
+  for (int i = 3; i < argc; ++i)
+    values.push_back(std::strtoull(argv[i], nullptr, 10));
+  System sys{g_system, {}, {}};
+  if (g_system != "rdma" && g_system != "grpc" && g_system != "stock") {
+    Fail("unknown system");
+  }
+  if (g_experiment == "latency" || g_experiment == "throughput") {
+    auto target = sys.Connect(sys.StartServer(), 0);
+    for (uint64_t bytes : values) {
+      std::string param = std::to_string(bytes);
+      double cpu0 = CpuSeconds();
+      double seconds = 0;
+      bool small = g_experiment == "latency";
+      auto us = Sequential(target.get(), bytes, small ? 2000 : 3,
+                           small ? 1.0 : 2.0, &seconds);
+      double cpu = CpuSeconds() - cpu0;
+      if (small) {
+        Row(param, "p50", Pct(us, 0.50), "us");
+        Row(param, "p99", Pct(us, 0.99), "us");
+        Row(param, "p999", Pct(us, 0.999), "us");
+        Row(param, "cpu_per_million_calls", cpu / us.size() * 1e6, "s");
+      } else {
+        double moved = static_cast<double>(bytes) * us.size();
+        Row(param, "throughput", moved / seconds / 1e6, "MB/s");
+        Row(param, "cpu_per_gb", cpu / (moved / 1e9), "s");
+      }
+    }
+  } else if (g_experiment == "inflight" || g_experiment == "connections") {
+    int port = sys.StartServer();
+    for (uint64_t v : values) {
+      std::vector<std::unique_ptr<Target>> targets;
+      int depth = 1;
+      if (g_experiment == "inflight") {
+        targets.push_back(sys.Connect(port, 0));
+        depth = static_cast<int>(v);
+      } else {
+        for (uint64_t c = 0; c < v; ++c) {
+          targets.push_back(sys.Connect(port, static_cast<int>(c)));
+        }
+      }
+      for (auto& t : targets) {
+        if (!t->CallBlocking(64)) Fail("warm-up call");
+      }
+      uint64_t calls = 0;
+      double cpu0 = CpuSeconds();
+      auto us = ClosedLoop(targets, depth, 64, 2.0, &calls);
+      double cpu = CpuSeconds() - cpu0;
+      std::string param = std::to_string(v);
+      Row(param, "calls_per_s", calls / 2.0, "1/s");
+      Row(param, "p50", Pct(us, 0.50), "us");
+      Row(param, "p99", Pct(us, 0.99), "us");
+      Row(param, "cpu_per_million_calls", cpu / calls * 1e6, "s");
+    }
+  } else if (g_experiment == "fanout") {
+    const size_t bytes = size_t{16} << 20;
+    for (uint64_t n : values) {
+      System fan{g_system, {}, {}};
+      std::vector<std::unique_ptr<Target>> targets;
+      for (uint64_t i = 0; i < n; ++i) {
+        targets.push_back(fan.Connect(fan.StartServer(), static_cast<int>(i)));
+        if (!targets.back()->CallBlocking(bytes)) Fail("warm-up call");
+      }
+      const int rounds = 8;
+      auto start = Clock::now();
+      for (int r = 0; r < rounds; ++r) {
+        uint64_t left = n;  // guarded by mu
+        std::mutex mu;
+        std::condition_variable cv;
+        for (auto& t : targets) {
+          t->Call(bytes, [&](bool ok) {
+            if (!ok) Fail("call");
+            std::lock_guard<std::mutex> lock(mu);
+            if (--left == 0) cv.notify_all();
+          });
+        }
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return left == 0; });
+      }
+      double s = std::chrono::duration<double>(Clock::now() - start).count();
+      std::string param = std::to_string(n);
+      Row(param, "round_ms", s / rounds * 1e3, "ms");
+      Row(param, "throughput", double(bytes) * n * rounds / s / 1e6, "MB/s");
+    }
+  } else if (g_experiment == "threshold" && g_system == "rdma") {
+    int port = sys.StartServer();
+    RdmarpcTarget in_frame(port, rdmarpc::TransportPolicy::kRdma,
+                           uint64_t{1} << 20);
+    RdmarpcTarget written(port, rdmarpc::TransportPolicy::kRdma, 1);
+    for (uint64_t bytes : values) {
+      double seconds = 0;
+      std::string param = std::to_string(bytes);
+      Row(param, "inline_p50",
+          Pct(Sequential(&in_frame, bytes, 300, 0.2, &seconds), 0.5), "us");
+      Row(param, "written_p50",
+          Pct(Sequential(&written, bytes, 300, 0.2, &seconds), 0.5), "us");
+    }
+  } else {
+    Fail("unknown experiment");
+  }
+  return 0;
+}
