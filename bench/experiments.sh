@@ -33,8 +33,9 @@ run() {
   local csv="$out/$name.csv"
   [[ -s "$csv" ]] || echo "experiment,system,param,metric,value,unit,machine,rdma,command" >"$csv"
   echo "bench: [$group $step] $name: $* ..." >&2
+  local command="${COMMAND_TEXT:-$*}"
   "$@" | while IFS= read -r row; do
-    echo "$row,\"$machine\",\"$rdma_kind\",\"$*\""
+    echo "$row,\"$machine\",\"$rdma_kind\",\"$command\""
   done >>"$csv"
   echo "bench: [$group $step] $name done in $((SECONDS - t0)) s" >&2
 }
@@ -88,7 +89,8 @@ perftest_all() {
     perftest ib_write_bw "$s" "$n"
   done
 }
-run perftest perftest_all
+COMMAND_TEXT="ib_send_lat -d $dev -R -s SIZE -n 2000 [$addr]; ib_write_bw -d $dev -R -s SIZE -n 20 (5 from 64 MiB) [$addr]" \
+  run perftest perftest_all
 run latency "$bin/rpc_bench" latency rdma $small
 run throughput "$bin/rpc_bench" throughput rdma $big_rdma
 run inflight "$bin/rpc_bench" inflight rdma $depths

@@ -91,8 +91,10 @@ def main():
           "files.", ""]
     if "soft-RoCE" in rdma_kind:
         md += ["Soft-RoCE is emulated (in a VM here): read its figures only "
-               "as ratios to perftest on the same device in the same boot.",
-               ""]
+               "as ratios to perftest on the same device in the same boot. "
+               "The RDMA rows, perftest and the micro-benchmarks ran in the "
+               "VM; the gRPC rows on the machine itself: compare each path "
+               "with its own reference, not across.", ""]
     targets = []
 
     # RDMA vs perftest.
