@@ -211,11 +211,7 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
     grpc::Status ser = grpc::GenericSerialize<grpc::ProtoBufferWriter, Message>(
         **inlined, &write_buf_, &own);
     if (!ser.ok()) return FinishOnce(FromGrpc(ser));
-    std::lock_guard<std::mutex> lock(mu_);
-    if (finished_) return;
-    finished_ = true;
-    sent_response_ = true;
-    StartWriteAndFinish(&write_buf_, grpc::WriteOptions(), grpc::Status::OK);
+    WriteAndFinishOnce();
   }
 
   void WriteNext() {
@@ -223,15 +219,21 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
     auto more = sender_->Next(&write_buf_, &last);
     if (!more.ok()) return FinishOnce(more.status());
     if (!*more) return FinishOnce(absl::OkStatus());
-    if (last) {
+    if (last) return WriteAndFinishOnce();
+    StartWrite(&write_buf_);
+  }
+
+  // Writes the last message and finishes, unless the call finished already.
+  // The lock is released first: once the client has the response, OnDone
+  // may run on another thread and delete `this` (and mu_) at once.
+  void WriteAndFinishOnce() {
+    {
       std::lock_guard<std::mutex> lock(mu_);
       if (finished_) return;
       finished_ = true;
       sent_response_ = true;
-      StartWriteAndFinish(&write_buf_, grpc::WriteOptions(), grpc::Status::OK);
-      return;
     }
-    StartWrite(&write_buf_);
+    StartWriteAndFinish(&write_buf_, grpc::WriteOptions(), grpc::Status::OK);
   }
 
   static Status HandlerError(const Status& s) {
