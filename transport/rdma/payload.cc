@@ -156,6 +156,19 @@ internal::ThreadPool& PostFailures() {
   return *pool;
 }
 
+// The write of out-of-band part `k` into its granted region (no immediate).
+Connection::WriteRequest PartWrite(const Grant& grant, int k,
+                                   const OutgoingPayload& out,
+                                   std::span<const LocalMemory> sources) {
+  Connection::WriteRequest w;
+  w.local = out.out_of_band[k].data;
+  w.lkey = sources[k].lkey;
+  w.remote_addr = grant.regions(k).addr();
+  w.rkey = grant.regions(k).rkey();
+  w.length = grant.regions(k).length();
+  return w;
+}
+
 // The buffers a grant's GPU-ordered writes read, held by every queued
 // host function so that a call finished early (its connection closed) does
 // not hand them back while a copy or write still uses them. The last holder
@@ -187,12 +200,7 @@ int WriteGpuOrdered(const Grant& grant, const OutgoingPayload& out,
   int counted = 0;
   for (int k = 0; k < grant.regions_size(); ++k) {
     const OutgoingPayload::Source& src = out.out_of_band[k];
-    Connection::WriteRequest w;
-    w.local = src.data;
-    w.lkey = sources[k].lkey;
-    w.remote_addr = grant.regions(k).addr();
-    w.rkey = grant.regions(k).rkey();
-    w.length = grant.regions(k).length();
+    Connection::WriteRequest w = PartWrite(grant, k, out, sources);
     const bool last_part = k + 1 == grant.regions_size();
     Status queued;
     if (src.staged_from == nullptr || src.size == 0) {
@@ -250,12 +258,7 @@ StatusOr<int> WriteGrantedParts(const FrameView& frame,
   }
   int queued = 0;
   for (int k = 0; k < grant.regions_size(); ++k) {
-    Connection::WriteRequest w;
-    w.local = out.out_of_band[k].data;
-    w.lkey = sources[k].lkey;
-    w.remote_addr = grant.regions(k).addr();
-    w.rkey = grant.regions(k).rkey();
-    w.length = grant.regions(k).length();
+    Connection::WriteRequest w = PartWrite(grant, k, out, sources);
     if (k + 1 == grant.regions_size()) w.immediate = grant.grant_id();
     if (!conn->Write(w, done).ok()) break;  // closed: the endpoint fails it
     ++queued;

@@ -22,14 +22,6 @@ namespace {
 
 using Clock = std::chrono::system_clock;
 
-// The stream that consumes response tensors, when the caller named one.
-const internal::ConsumerStream* ConsumerOf(const ClientContext& ctx,
-                                           internal::ConsumerStream* storage) {
-  if (!ctx.has_cuda_stream()) return nullptr;
-  storage->stream = ctx.cuda_stream();
-  return storage;
-}
-
 // A call between Start and its completion.
 struct ClientRecord {
   enum class Stage {
@@ -130,6 +122,9 @@ class ClientEndpoint final
                     Outcome::Next next = Outcome::Next::kComplete);
   void Complete(std::vector<Outcome> outcomes);
   void SendCancelLocked(uint64_t call_id);
+  // Once every response part is in: binds the response and its tensors,
+  // ordered before the caller's CUDA stream when it named one.
+  static Status AcceptResponse(ClientRecord& r);
 
   const RdmaClientHooks hooks_;
   const uint64_t server_instance_;
@@ -260,6 +255,19 @@ void ClientEndpoint::Start(internal::ClientCall call) {
     }
   }
   Complete(std::move(outcomes));
+}
+
+Status ClientEndpoint::AcceptResponse(ClientRecord& r) {
+  ClientContext* ctx = r.call.ctx;
+  internal::ConsumerStream consumer{ctx->cuda_stream()};
+  auto result =
+      FinishPayload(&r.in, r.call.response, ctx->response_placement(),
+                    r.call.max_response_tensor_bytes, nullptr, &ctx->tensors(),
+                    ctx->has_cuda_stream() ? &consumer : nullptr);
+  if (!result.ok()) return result.status();
+  r.received_bytes = result->total_bytes;
+  r.response_copied = result->cpu_copied_bytes;
+  return absl::OkStatus();
 }
 
 void ClientEndpoint::SendCancelLocked(uint64_t call_id) {
@@ -485,16 +493,7 @@ Status ClientEndpoint::OnResponse(const FrameView& frame,
     ctx->mutable_stats()->gpu_rdma_reason = r.in.gpu_reason;
   }
   if (r.in.landing.empty()) {
-    internal::ConsumerStream consumer;
-    auto result =
-        FinishPayload(&r.in, r.call.response, ctx->response_placement(),
-                      r.call.max_response_tensor_bytes, nullptr,
-                      &ctx->tensors(), ConsumerOf(*ctx, &consumer));
-    if (result.ok()) {
-      r.received_bytes = result->total_bytes;
-      r.response_copied = result->cpu_copied_bytes;
-    }
-    FinishLocked(head.call_id(), result.status(), outcomes);
+    FinishLocked(head.call_id(), AcceptResponse(r), outcomes);
     return absl::OkStatus();
   }
   Grant grant;
@@ -524,17 +523,8 @@ Status ClientEndpoint::OnWriteLanded(uint32_t immediate) {
     }
     uint64_t call_id = g->second;
     ClientRecord& r = *calls_.at(call_id);
-    ClientContext* ctx = r.call.ctx;
-    internal::ConsumerStream consumer;
-    auto result =
-        FinishPayload(&r.in, r.call.response, ctx->response_placement(),
-                      r.call.max_response_tensor_bytes, nullptr,
-                      &ctx->tensors(), ConsumerOf(*ctx, &consumer));
-    if (result.ok()) {
-      r.received_bytes = result->total_bytes;
-      r.response_copied = result->cpu_copied_bytes;
-    }
-    Status status = r.deferred ? *r.deferred : result.status();
+    Status accepted = AcceptResponse(r);
+    Status status = r.deferred ? *r.deferred : accepted;
     r.deferred.reset();
     FinishLocked(call_id, status, &outcomes);
   }
