@@ -15,11 +15,12 @@
 //                                           (what sets the inline threshold)
 //
 // SYSTEM: rdma (rdmarpc, policy rdma), grpc (rdmarpc's gRPC fallback,
-// policy grpc) or stock (stock gRPC with grpc_cpp_plugin stubs, message
-// limits raised: stock gRPC refuses messages over 4 MB otherwise). Client
-// and servers run in this process over loopback (RDMA: the local device).
-// CPU seconds are this process's user+system time (getrusage), so they
-// include both ends.
+// policy grpc), rdma-inline and grpc-inline (the same with the server's
+// handlers run inline, SetRunHandlersInline, not on its worker pool) or stock
+// (stock gRPC with grpc_cpp_plugin stubs, message limits raised: stock gRPC
+// refuses messages over 4 MB otherwise). Client and servers run in this process
+// over loopback (RDMA: the local device). CPU seconds are this process's
+// user+system time (getrusage), so they include both ends.
 #include <grpcpp/grpcpp.h>
 #include <sys/resource.h>
 
@@ -93,11 +94,14 @@ class Sink final : public rdmarpc_test::E2E::Service {
 
 class RdmarpcServer {
  public:
-  RdmarpcServer() {
+  // `inline_handlers`: run the handler on the thread that received the call
+  // (ServerBuilder::SetRunHandlersInline) instead of a worker.
+  explicit RdmarpcServer(bool inline_handlers) {
     auto server = rdmarpc::ServerBuilder()
                       .AddListeningPort("127.0.0.1:0", &port_)
                       .RegisterService(&sink_)
                       .SetTensorPlacement(rdmarpc::Device::Host())
+                      .SetRunHandlersInline(inline_handlers)
                       .BuildAndStart();
     if (!server.ok()) {
       std::fprintf(stderr, "server: %s\n", server.status().ToString().c_str());
@@ -238,15 +242,16 @@ struct System {
       stock_servers.push_back(std::make_unique<StockServer>());
       return stock_servers.back()->port();
     }
-    rdmarpc_servers.push_back(std::make_unique<RdmarpcServer>());
+    rdmarpc_servers.push_back(
+        std::make_unique<RdmarpcServer>(name.ends_with("-inline")));
     return rdmarpc_servers.back()->port();
   }
 
   std::unique_ptr<Target> Connect(int port, int index) {
     if (name == "stock") return std::make_unique<StockTarget>(port, index);
     return std::make_unique<RdmarpcTarget>(
-        port, name == "rdma" ? rdmarpc::TransportPolicy::kRdma
-                             : rdmarpc::TransportPolicy::kGrpc);
+        port, name.starts_with("rdma") ? rdmarpc::TransportPolicy::kRdma
+                                       : rdmarpc::TransportPolicy::kGrpc);
   }
 };
 
@@ -349,7 +354,8 @@ int main(int argc, char** argv) {
   for (int i = 3; i < argc; ++i)
     values.push_back(std::strtoull(argv[i], nullptr, 10));
   System sys{g_system, {}, {}};
-  if (g_system != "rdma" && g_system != "grpc" && g_system != "stock") {
+  if (g_system != "rdma" && g_system != "grpc" && g_system != "stock" &&
+      g_system != "rdma-inline" && g_system != "grpc-inline") {
     Fail("unknown system");
   }
   if (g_experiment == "latency" || g_experiment == "throughput") {

@@ -1,5 +1,7 @@
 #include "rdmarpc/channel.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <memory>
 #include <random>
@@ -312,6 +314,7 @@ void Channel::Route(internal::ClientCall call) {
       case RdmaHealth::kNotTried:
         health_ = RdmaHealth::kConnecting;
         rdma_thread_ = std::thread([this] { RdmaLoop(); });
+        pthread_setname_np(rdma_thread_.native_handle(), "rdmarpc-probe");
         [[fallthrough]];
       case RdmaHealth::kConnecting:
         waiting_.push_back(std::move(call));

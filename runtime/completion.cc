@@ -8,7 +8,7 @@ namespace rdmarpc::internal {
 
 void RunOnCallbackThread(std::function<void()> task) {
   // Never destroyed: completions may be posted during static destruction.
-  static ThreadPool* pool = new ThreadPool(2);
+  static ThreadPool* pool = new ThreadPool(2, "rdmarpc-done");
   pool->Post(std::move(task));
 }
 

@@ -51,7 +51,7 @@ class ServerDispatcher final : public Dispatcher {
         max_request_tensor_bytes_(max_request_tensor_bytes),
         run_inline_(run_inline),
         log_(CallLog::Options{}, RandomInstance()),
-        pool_(run_inline ? 1 : workers) {}
+        pool_(run_inline ? 1 : workers, "rdmarpc-worker") {}
 
   const ServerMethod* Find(std::string_view path) const override {
     auto it = methods_.find(absl::string_view(path.data(), path.size()));
@@ -67,9 +67,9 @@ class ServerDispatcher final : public Dispatcher {
                Completion done) override {
     if (state->client_id != 0) {
       state->logged = true;
-      // A repeat is answered from the log on a worker, never inside this
-      // call: transports call Execute, Delivered and Undelivered with their
-      // own locks held.
+      // A repeat is answered from the log on a worker, never inline: the
+      // log may answer it from Delivered or Undelivered, which transports
+      // call with their own locks held.
       Completion repeat =
           [this, done](Status s, std::unique_ptr<google::protobuf::Message> r) {
             auto response =

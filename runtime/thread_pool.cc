@@ -1,12 +1,17 @@
 #include "runtime/thread_pool.h"
 
+#include <pthread.h>
+
 #include <utility>
 
 namespace rdmarpc::internal {
 
-ThreadPool::ThreadPool(int threads) {
+ThreadPool::ThreadPool(int threads, const char* name) {
   threads_.reserve(threads);
-  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Loop(); });
+  for (int i = 0; i < threads; ++i) {
+    threads_.emplace_back([this] { Loop(); });
+    pthread_setname_np(threads_.back().native_handle(), name);
+  }
 }
 
 ThreadPool::~ThreadPool() {

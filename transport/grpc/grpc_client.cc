@@ -38,16 +38,19 @@ class GrpcCanceller final : public internal::CallCanceller {
   grpc::ClientContext* ctx_;
 };
 
-// One call: writes the lean request, reads the lean response. Deleted on a
-// runtime thread after OnDone. The user's callback runs when both the call is
-// done and gRPC has released every slice that references the request's tensor
-// memory.
+// One call: writes the lean request, reads the lean response. Deleted after
+// OnDone: on that gRPC thread while the transport (and so its reference to
+// the grpc::Channel) lives, else on a runtime thread. The user's callback runs
+// when both the call is done and gRPC has released every slice that references
+// the request's tensor memory.
 class ClientCallReactor final
     : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
-  ClientCallReactor(internal::ClientCall call, size_t chunk_bytes)
+  ClientCallReactor(internal::ClientCall call, size_t chunk_bytes,
+                    std::shared_ptr<ChannelLife> life)
       : call_(std::move(call)),
         chunk_bytes_(chunk_bytes),
+        life_(std::move(life)),
         receiver_(
             [this](const LeanHead& head) { return OnResponseHead(head); }) {}
 
@@ -81,6 +84,8 @@ class ClientCallReactor final
     }
     for (const auto& [k, v] : ctx->metadata()) gctx_.AddMetadata(k, v);
     if (ctx->deadline()) gctx_.set_deadline(*ctx->deadline());
+    // The metadata goes out with the first message, in one batch.
+    gctx_.set_initial_metadata_corked(true);
     canceller_ = std::make_shared<GrpcCanceller>(&gctx_);
     if (!ctx->AttachCanceller(canceller_)) {
       return FailBeforeStart(
@@ -109,7 +114,9 @@ class ClientCallReactor final
       gctx_.TryCancel();
       return;
     }
-    StartRead(&read_buf_);
+    // Once the response is complete only the status is left, and OnDone
+    // brings it: one read (and its callback) fewer per call.
+    if (!receiver_.complete()) StartRead(&read_buf_);
   }
 
   void OnDone(const grpc::Status& grpc_status) override {
@@ -138,8 +145,17 @@ class ClientCallReactor final
     // gctx_ may hold the last reference to the grpc::Channel (the user can
     // drop the rdmarpc::Channel once the callback ran). gRPC 1.51 must not
     // release its shared callback queue from one of that queue's own
-    // threads: it joins itself and frees the queue under its feet. Destroy
-    // the call on a runtime thread instead.
+    // threads: it joins itself and frees the queue under its feet. While the
+    // transport lives, its reference cannot go (its destructor waits for
+    // life->mu), so the call is deleted here; else on a runtime thread. The
+    // hand-off costs a thread wake-up, which small calls notice.
+    std::shared_ptr<ChannelLife> life = life_;
+    std::unique_lock<std::mutex> lock(life->mu);
+    if (life->transport_alive) {
+      delete this;
+      return;
+    }
+    lock.unlock();
     internal::RunOnCallbackThread([this] { delete this; });
   }
 
@@ -183,6 +199,7 @@ class ClientCallReactor final
 
   internal::ClientCall call_;
   size_t chunk_bytes_;
+  std::shared_ptr<ChannelLife> life_;
   grpc::ClientContext gctx_;
   std::shared_ptr<GrpcCanceller> canceller_;
   std::shared_ptr<internal::DeferredCompletion> completion_;
@@ -219,6 +236,13 @@ GrpcClientTransport::GrpcClientTransport(const std::string& target,
       stub_(channel_),
       chunk_bytes_(options.grpc_chunk_bytes) {}
 
+GrpcClientTransport::~GrpcClientTransport() {
+  // From here on calls finishing must not drop what may be the last
+  // reference to channel_ on a gRPC thread (see ClientCallReactor::OnDone).
+  std::lock_guard<std::mutex> lock(life_->mu);
+  life_->transport_alive = false;
+}
+
 StatusOr<std::string> GrpcClientTransport::UnaryBytes(
     const std::string& method, const std::string& request,
     std::chrono::milliseconds timeout) {
@@ -245,7 +269,7 @@ StatusOr<std::string> GrpcClientTransport::UnaryBytes(
 }
 
 void GrpcClientTransport::Start(internal::ClientCall call) {
-  (new ClientCallReactor(std::move(call), chunk_bytes_))->Start(&stub_);
+  (new ClientCallReactor(std::move(call), chunk_bytes_, life_))->Start(&stub_);
 }
 
 }  // namespace rdmarpc::grpc_transport

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "rdmarpc/channel.h"
@@ -15,9 +16,16 @@
 
 namespace rdmarpc::grpc_transport {
 
+// Whether a GrpcClientTransport still exists, for calls that outlive it.
+struct ChannelLife {
+  std::mutex mu;
+  bool transport_alive = true;  // guarded by mu
+};
+
 class GrpcClientTransport final : public internal::ClientTransport {
  public:
   GrpcClientTransport(const std::string& target, const ChannelOptions& options);
+  ~GrpcClientTransport() override;
 
   TransportKind kind() const override { return TransportKind::kGrpc; }
   void Start(internal::ClientCall call) override;
@@ -33,6 +41,7 @@ class GrpcClientTransport final : public internal::ClientTransport {
   std::shared_ptr<grpc::Channel> channel_;
   grpc::GenericStub stub_;
   size_t chunk_bytes_;
+  std::shared_ptr<ChannelLife> life_ = std::make_shared<ChannelLife>();
 };
 
 }  // namespace rdmarpc::grpc_transport

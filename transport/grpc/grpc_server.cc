@@ -80,6 +80,11 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
       if (ok) {
         Status s = receiver_->OnMessage(read_buf_);
         if (!s.ok()) return FinishOnce(s);
+        // A complete request runs now: waiting for the client's end of
+        // stream would cost one more read and its callback on every call.
+        // Whatever the client might send past what its head announced is
+        // not read.
+        if (receiver_->complete()) return Dispatch();
         return StartRead(&read_buf_);
       }
       Status s = receiver_->OnEnd();

@@ -85,6 +85,9 @@ class LeanReceiver {
   // The peer finished sending: INVALID_ARGUMENT unless the head and every
   // announced byte arrived.
   Status OnEnd() const;
+  // Whether the head and every byte it announced arrived: the receiving
+  // side acts then, without waiting for the peer's end of stream.
+  bool complete() const { return head_seen_ && tensor_ >= landing_.size(); }
 
   uint64_t cpu_copied_bytes() const { return copied_; }
 

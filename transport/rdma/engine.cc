@@ -1,6 +1,7 @@
 #include "transport/rdma/engine.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -41,6 +42,7 @@ Engine::Engine() : spin_(SpinFromEnvironment()) {
   ev.data.ptr = nullptr;
   epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &ev);
   thread_ = std::thread([this] { Loop(); });
+  pthread_setname_np(thread_.native_handle(), "rdmarpc-engine");
   thread_.detach();
 }
 

@@ -152,7 +152,7 @@ namespace {
 // `done` may run user callbacks, which must not run where CUDA forbids
 // CUDA calls.
 internal::ThreadPool& PostFailures() {
-  static auto* pool = new internal::ThreadPool(1);
+  static auto* pool = new internal::ThreadPool(1, "rdmarpc-gpufail");
   return *pool;
 }
 

@@ -1,5 +1,7 @@
 #include "transport/rdma/rdma_client.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <condition_variable>
 #include <map>
@@ -647,6 +649,7 @@ StatusOr<std::unique_ptr<RdmaClientTransport>> RdmaClientTransport::Connect(
   }
   t->endpoint_->Attach(t->conn_);
   t->monitor_ = std::thread([raw = t.get()] { raw->Monitor(); });
+  pthread_setname_np(t->monitor_.native_handle(), "rdmarpc-monitor");
   return t;
 }
 

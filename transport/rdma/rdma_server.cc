@@ -1,12 +1,14 @@
 #include "transport/rdma/rdma_server.h"
 
 #include <arpa/inet.h>
+#include <pthread.h>
 
 #include <cstring>
 #include <random>
 #include <set>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "runtime/fault_injection.h"
@@ -123,10 +125,16 @@ class ServerEndpoint final
                Status status, std::unique_ptr<Message> response);
 
  private:
+  // OnRequest and OnWriteLanded hand the calls that became ready to the
+  // dispatcher once mu_ is released: an inline handler responds at once,
+  // which takes mu_.
   Status OnRequest(const FrameView& frame);
+  Status AdmitRequest(const FrameView& frame);
+  Status LandWrite(uint32_t immediate);
+  void ExecuteReady();
   Status OnGrant(const FrameView& frame);
   void OnCancel(uint64_t call_id);
-  // Parses the landed request and hands it to a worker. Requires mu_.
+  // Parses the landed request and queues it for ExecuteReady. Requires mu_.
   void DispatchLocked(uint64_t call_id);
   // Sends an error response and forgets the call. Requires mu_.
   void FailLocked(uint64_t call_id, const Status& status,
@@ -153,6 +161,12 @@ class ServerEndpoint final
   std::map<uint64_t, std::unique_ptr<ServerRecord>> calls_;
   std::map<uint32_t, uint64_t> grants_;
   uint32_t next_grant_id_ = 1;
+  struct ReadyCall {
+    std::shared_ptr<internal::ServerCallState> state;
+    std::shared_ptr<Message> request;
+    internal::Dispatcher::Completion done;
+  };
+  std::vector<ReadyCall> ready_;  // for ExecuteReady
 };
 
 Status ServerEndpoint::OnFrame(const FrameView& frame) {
@@ -223,6 +237,30 @@ std::function<void(Status)> ServerEndpoint::SettleWhenSent(
 }
 
 Status ServerEndpoint::OnRequest(const FrameView& frame) {
+  Status s = AdmitRequest(frame);
+  ExecuteReady();
+  return s;
+}
+
+Status ServerEndpoint::OnWriteLanded(uint32_t immediate) {
+  Status s = LandWrite(immediate);
+  ExecuteReady();
+  return s;
+}
+
+void ServerEndpoint::ExecuteReady() {
+  std::vector<ReadyCall> ready;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ready.swap(ready_);
+  }
+  for (ReadyCall& c : ready) {
+    dispatcher_->Execute(std::move(c.state), std::move(c.request),
+                         std::move(c.done));
+  }
+}
+
+Status ServerEndpoint::AdmitRequest(const FrameView& frame) {
   RDMARPC_ASSIGN_OR_RETURN(RequestHead head, ParseRequest(frame, limits_));
   std::lock_guard<std::mutex> lock(mu_);
   if (closed_) return absl::OkStatus();
@@ -301,7 +339,7 @@ Status ServerEndpoint::OnRequest(const FrameView& frame) {
   return absl::OkStatus();
 }
 
-Status ServerEndpoint::OnWriteLanded(uint32_t immediate) {
+Status ServerEndpoint::LandWrite(uint32_t immediate) {
   std::lock_guard<std::mutex> lock(mu_);
   auto g = grants_.find(immediate);
   if (g == grants_.end()) {
@@ -332,17 +370,15 @@ void ServerEndpoint::DispatchLocked(uint64_t call_id) {
     std::lock_guard<std::mutex> shared_lock(shared_->mu);
     ++shared_->handlers_running;
   }
-  std::shared_ptr<internal::ServerCallState> state = r.state;
-  std::shared_ptr<Message> request = r.request;
-  dispatcher_->Execute(
-      std::move(state), std::move(request),
-      [self = shared_from_this(), call_id, state = r.state](
-          Status s, std::unique_ptr<Message> response) {
-        self->Respond(call_id, state, std::move(s), std::move(response));
-        std::lock_guard<std::mutex> shared_lock(self->shared_->mu);
-        --self->shared_->handlers_running;
-        self->shared_->cv.notify_all();
-      });
+  ready_.push_back(
+      {r.state, r.request,
+       [self = shared_from_this(), call_id, state = r.state](
+           Status s, std::unique_ptr<Message> response) {
+         self->Respond(call_id, state, std::move(s), std::move(response));
+         std::lock_guard<std::mutex> shared_lock(self->shared_->mu);
+         --self->shared_->handlers_running;
+         self->shared_->cv.notify_all();
+       }});
 }
 
 void ServerEndpoint::Respond(
@@ -516,6 +552,7 @@ StatusOr<std::unique_ptr<RdmaServerTransport>> RdmaServerTransport::Start(
     RDMARPC_RETURN_IF_ERROR(t->ListenLocked());
   }
   t->cm_thread_ = std::thread([raw = t.get()] { raw->CmLoop(); });
+  pthread_setname_np(t->cm_thread_.native_handle(), "rdmarpc-cm");
   return t;
 }
 
