@@ -57,6 +57,9 @@ fi
 
 if [[ "$group" == grpc ]]; then
   run latency "$bin/rpc_bench" latency grpc-inline $small
+  for sys in grpc grpc-inline stock; do
+    run blocking "$bin/rpc_bench" blocking "$sys" $small
+  done
   for sys in grpc stock; do
     run latency "$bin/rpc_bench" latency "$sys" $small
     run throughput "$bin/rpc_bench" throughput "$sys" $big_grpc
@@ -109,6 +112,8 @@ COMMAND_TEXT="3 rounds of: ib_write_bw -d $dev -R -s 67108864 -n 5 [$addr]; $bin
   run target64 target64
 run latency "$bin/rpc_bench" latency rdma $small
 run latency "$bin/rpc_bench" latency rdma-inline $small
+run blocking "$bin/rpc_bench" blocking rdma $small
+run blocking "$bin/rpc_bench" blocking rdma-inline $small
 run throughput "$bin/rpc_bench" throughput rdma $big_rdma
 run inflight "$bin/rpc_bench" inflight rdma $depths
 run connections "$bin/rpc_bench" connections rdma $conns

@@ -98,13 +98,18 @@ def main():
                "with its own reference, not across.", ""]
     targets = []
 
-    # RDMA vs perftest.
-    lat = get("latency", "rdma", "p50")
-    lat99 = get("latency", "rdma", "p99")
-    lat_inline = get("latency", "rdma-inline", "p50")
+    # RDMA vs perftest, then the gRPC fallback vs stock gRPC, small calls:
+    # with each system's callback API and with its blocking stubs.
     send = get("perftest", "ib_send_lat", "t_typical")
-    if lat:
-        md += ["## RDMA small calls vs 2 x ib_send_lat", "",
+    styles = (("latency", "callback API", ""),
+              ("blocking", "blocking stubs", ", blocking stubs"))
+    for exp, style, tag in styles:
+        lat = get(exp, "rdma", "p50")
+        lat99 = get(exp, "rdma", "p99")
+        lat_inline = get(exp, "rdma-inline", "p50")
+        if not lat:
+            continue
+        md += [f"## RDMA small calls vs 2 x ib_send_lat ({style})", "",
                "Handlers run on the server's worker pool (the default) or "
                "inline on the thread that received the call "
                "(`SetRunHandlersInline`).", "",
@@ -123,7 +128,7 @@ def main():
             if worst is None:
                 continue
             targets.append(("RDMA small-call round trip <= 1.5 x "
-                            f"(2 x ib_send_lat){label}",
+                            f"(2 x ib_send_lat){tag}{label}",
                             worst, worst <= 1.5))
         md.append("")
     bw = get("throughput", "rdma", "throughput")
@@ -152,11 +157,12 @@ def main():
         targets.append(("64 MiB over RDMA >= 0.90 x ib_write_bw (medians of "
                         f"{len(t_rdma)} alternating rounds)", r, r >= 0.90))
 
-    # gRPC fallback vs stock gRPC.
-    g50, s50 = get("latency", "grpc", "p50"), get("latency", "stock", "p50")
-    g50_inline = get("latency", "grpc-inline", "p50")
-    if g50:
-        md += ["## gRPC fallback vs stock gRPC: small calls", "",
+    for exp, style, tag in styles:
+        g50, s50 = get(exp, "grpc", "p50"), get(exp, "stock", "p50")
+        g50_inline = get(exp, "grpc-inline", "p50")
+        if not g50:
+            continue
+        md += [f"## gRPC fallback vs stock gRPC: small calls ({style})", "",
                "Stock gRPC's synchronous server runs the handler on the "
                "thread that read the request; rdmarpc's server hands it to "
                "a worker (the default) or runs it inline "
@@ -165,9 +171,9 @@ def main():
                "p50 (us) | stock p50 / p99 / p999 (us) | p50 ratio | "
                "ratio, inline |", "|---|---|---|---|---|---|"]
         for s in sorted(g50):
-            fb = "/".join(fmt(get("latency", "grpc", m).get(s))
+            fb = "/".join(fmt(get(exp, "grpc", m).get(s))
                           for m in ("p50", "p99", "p999"))
-            st = "/".join(fmt(get("latency", "stock", m).get(s))
+            st = "/".join(fmt(get(exp, "stock", m).get(s))
                           for m in ("p50", "p99", "p999"))
             md.append(f"| {size_text(s)} | {fb} | "
                       f"{fmt(g50_inline.get(s))} | {st} | "
@@ -179,7 +185,7 @@ def main():
             if worst is None:
                 continue
             targets.append(("gRPC fallback small-call p50 <= 1.1 x stock "
-                            f"gRPC{label}", worst, worst <= 1.1))
+                            f"gRPC{tag}{label}", worst, worst <= 1.1))
         md.append("")
     gbw, sbw = (get("throughput", "grpc", "throughput"),
                 get("throughput", "stock", "throughput"))
@@ -266,12 +272,14 @@ def main():
 
     plot(os.path.join(out, "latency.png"), "small-call round trip (p50)",
          "request bytes", "us",
-         [("rdmarpc RDMA", lat),
+         [("rdmarpc RDMA", get("latency", "rdma", "p50")),
           ("2 x ib_send_lat", {k: 2 * v for k, v in send.items()}),
-          ("rdmarpc RDMA, inline handlers", lat_inline),
-          ("rdmarpc gRPC fallback", g50),
-          ("rdmarpc gRPC fallback, inline handlers", g50_inline),
-          ("stock gRPC", s50)], logy=True)
+          ("rdmarpc RDMA, inline handlers",
+           get("latency", "rdma-inline", "p50")),
+          ("rdmarpc gRPC fallback", get("latency", "grpc", "p50")),
+          ("rdmarpc gRPC fallback, inline handlers",
+           get("latency", "grpc-inline", "p50")),
+          ("stock gRPC", get("latency", "stock", "p50"))], logy=True)
     plot(os.path.join(out, "throughput.png"), "tensor throughput",
          "tensor bytes", "MB/s",
          [("rdmarpc RDMA", bw), ("ib_write_bw", wbw),

@@ -2,7 +2,9 @@
 // result on stdout:
 //   experiment,system,transport,param,metric,value,unit
 //
-//   rpc_bench latency     SYSTEM SIZES...   sequential calls: p50/p99/p999 us
+//   rpc_bench latency     SYSTEM SIZES...   sequential calls (callback API):
+//                                           p50/p99/p999 us
+//   rpc_bench blocking    SYSTEM SIZES...   the same with blocking stubs
 //   rpc_bench throughput  SYSTEM SIZES...   sequential calls: MB/s, CPU s/GB
 //   rpc_bench inflight    SYSTEM DEPTHS...  64 B calls, DEPTH in flight on one
 //                                           channel: calls/s, p50/p99 us
@@ -46,26 +48,13 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // One client of one server: a call carries `bytes` request bytes and gets a
-// small response; `done(ok)` runs once.
+// small response; `done(ok)` runs once. CallBlocking uses each system's
+// blocking stub, as a user of blocking calls would.
 class Target {
  public:
   virtual ~Target() = default;
   virtual void Call(size_t bytes, std::function<void(bool)> done) = 0;
-
-  bool CallBlocking(size_t bytes) {
-    std::mutex mu;
-    std::condition_variable cv;
-    bool finished = false, ok = false;
-    Call(bytes, [&](bool result) {
-      std::lock_guard<std::mutex> lock(mu);
-      ok = result;
-      finished = true;
-      cv.notify_one();
-    });
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return finished; });
-    return ok;
-  }
+  virtual bool CallBlocking(size_t bytes) = 0;
 };
 
 // The bytes every request sends (read-only, shared by all calls).
@@ -132,6 +121,15 @@ class RdmarpcTarget final : public Target {
         rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port), options));
   }
 
+  bool CallBlocking(size_t bytes) override {
+    rdmarpc::ClientContext ctx;
+    rdmarpc_test::EchoRequest req;
+    rdmarpc_test::EchoResponse resp;
+    SetTensor(&ctx, &req, bytes);
+    rdmarpc::Status s = stub_->Echo(&ctx, req, &resp);
+    return Check(s, ctx);
+  }
+
   void Call(size_t bytes, std::function<void(bool)> done) override {
     struct State {
       rdmarpc::ClientContext ctx;
@@ -139,26 +137,32 @@ class RdmarpcTarget final : public Target {
       rdmarpc_test::EchoResponse resp;
     };
     auto state = std::make_shared<State>();
-    if (bytes > 0) {
-      const auto& data = Payload(bytes);
-      (void)state->ctx.tensors().Set(
-          state->req.mutable_tensor(), rdmarpc::DTYPE_U8,
-          {static_cast<int64_t>(bytes)},
-          rdmarpc::TensorBuffer::Borrow(data.data(), bytes));
-    }
+    SetTensor(&state->ctx, &state->req, bytes);
     stub_->Echo(&state->ctx, state->req, &state->resp,
                 [this, state, done = std::move(done)](rdmarpc::Status s) {
-                  bool ok = s.ok() && state->ctx.stats().transport == expected_;
-                  if (!ok) {
-                    std::fprintf(stderr, "call failed or rerouted: %s (%s)\n",
-                                 s.ToString().c_str(),
-                                 state->ctx.stats().ToString().c_str());
-                  }
-                  done(ok);
+                  done(Check(s, state->ctx));
                 });
   }
 
  private:
+  static void SetTensor(rdmarpc::ClientContext* ctx,
+                        rdmarpc_test::EchoRequest* req, size_t bytes) {
+    if (bytes == 0) return;
+    const auto& data = Payload(bytes);
+    (void)ctx->tensors().Set(req->mutable_tensor(), rdmarpc::DTYPE_U8,
+                             {static_cast<int64_t>(bytes)},
+                             rdmarpc::TensorBuffer::Borrow(data.data(), bytes));
+  }
+
+  bool Check(const rdmarpc::Status& s, const rdmarpc::ClientContext& ctx) {
+    bool ok = s.ok() && ctx.stats().transport == expected_;
+    if (!ok) {
+      std::fprintf(stderr, "call failed or rerouted: %s (%s)\n",
+                   s.ToString().c_str(), ctx.stats().ToString().c_str());
+    }
+    return ok;
+  }
+
   rdmarpc::TransportKind expected_;
   std::unique_ptr<rdmarpc_test::E2E::Stub> stub_;
 };
@@ -206,6 +210,20 @@ class StockTarget final : public Target {
     stub_ = rdmarpc_bench::Stock::NewStub(
         grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port),
                                   grpc::InsecureChannelCredentials(), args));
+  }
+
+  bool CallBlocking(size_t bytes) override {
+    grpc::ClientContext ctx;
+    rdmarpc_bench::Blob req;
+    rdmarpc_bench::Blob resp;
+    const auto& data = Payload(bytes);
+    req.set_data(data.data(), bytes);
+    grpc::Status s = stub_->Echo(&ctx, req, &resp);
+    if (!s.ok()) {
+      std::fprintf(stderr, "stock call failed: %s\n",
+                   s.error_message().c_str());
+    }
+    return s.ok();
   }
 
   void Call(size_t bytes, std::function<void(bool)> done) override {
@@ -281,9 +299,27 @@ void Fail(const char* what) {
   std::exit(1);
 }
 
-// Calls of `bytes` until `min_calls` and `min_seconds` are both reached.
+// One asynchronous call (each system's callback API), waited for.
+bool CallAndWait(Target* t, size_t bytes) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool finished = false, ok = false;
+  t->Call(bytes, [&](bool result) {
+    std::lock_guard<std::mutex> lock(mu);
+    ok = result;
+    finished = true;
+    cv.notify_one();
+  });
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return finished; });
+  return ok;
+}
+
+// Calls of `bytes` until `min_calls` and `min_seconds` are both reached:
+// blocking calls, or asynchronous ones waited for one at a time.
 std::vector<double> Sequential(Target* t, size_t bytes, int min_calls,
-                               double min_seconds, double* seconds) {
+                               double min_seconds, double* seconds,
+                               bool blocking = false) {
   const int warm_up = bytes >= (1 << 20) ? 1 : 10;
   for (int i = 0; i < warm_up; ++i) {
     if (!t->CallBlocking(bytes)) Fail("warm-up call");
@@ -294,7 +330,9 @@ std::vector<double> Sequential(Target* t, size_t bytes, int min_calls,
          std::chrono::duration<double>(Clock::now() - start).count() <
              min_seconds) {
     auto t0 = Clock::now();
-    if (!t->CallBlocking(bytes)) Fail("call");
+    if (!(blocking ? t->CallBlocking(bytes) : CallAndWait(t, bytes))) {
+      Fail("call");
+    }
     us.push_back(
         std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
   }
@@ -342,10 +380,11 @@ std::vector<double> ClosedLoop(std::vector<std::unique_ptr<Target>>& targets,
 
 int main(int argc, char** argv) {
   if (argc < 4) {
-    std::fprintf(stderr,
-                 "usage: %s latency|throughput|inflight|connections|fanout|"
-                 "threshold rdma|grpc|stock VALUES...\n",
-                 argv[0]);
+    std::fprintf(
+        stderr,
+        "usage: %s latency|blocking|throughput|inflight|connections|fanout|"
+        "threshold rdma|grpc|rdma-inline|grpc-inline|stock VALUES...\n",
+        argv[0]);
     return 2;
   }
   g_experiment = argv[1];
@@ -358,15 +397,17 @@ int main(int argc, char** argv) {
       g_system != "rdma-inline" && g_system != "grpc-inline") {
     Fail("unknown system");
   }
-  if (g_experiment == "latency" || g_experiment == "throughput") {
+  if (g_experiment == "latency" || g_experiment == "blocking" ||
+      g_experiment == "throughput") {
     auto target = sys.Connect(sys.StartServer(), 0);
     for (uint64_t bytes : values) {
       std::string param = std::to_string(bytes);
       double cpu0 = CpuSeconds();
       double seconds = 0;
-      bool small = g_experiment == "latency";
-      auto us = Sequential(target.get(), bytes, small ? 2000 : 3,
-                           small ? 1.0 : 2.0, &seconds);
+      bool small = g_experiment != "throughput";
+      auto us =
+          Sequential(target.get(), bytes, small ? 2000 : 3, small ? 1.0 : 2.0,
+                     &seconds, g_experiment == "blocking");
       double cpu = CpuSeconds() - cpu0;
       if (small) {
         Row(param, "p50", Pct(us, 0.50), "us");

@@ -346,6 +346,15 @@ void Channel::CallAsync(std::string_view method, ClientContext* ctx,
                         const google::protobuf::Message& request,
                         google::protobuf::Message* response,
                         std::function<void(Status)> done) {
+  StartCall(method, ctx, request, response, std::move(done),
+            /*done_runs_inline=*/false);
+}
+
+void Channel::StartCall(std::string_view method, ClientContext* ctx,
+                        const google::protobuf::Message& request,
+                        google::protobuf::Message* response,
+                        std::function<void(Status)> done,
+                        bool done_runs_inline) {
   if (!ctx->MarkStarted()) {
     done(absl::FailedPreconditionError(
         "ClientContext used for a second call; use one per call"));
@@ -365,6 +374,7 @@ void Channel::CallAsync(std::string_view method, ClientContext* ctx,
   call.call_id = stats->call_id;
   call.max_response_tensor_bytes = options_.max_response_tensor_bytes;
   call.done = std::move(done);
+  call.done_runs_inline = done_runs_inline;
   Route(std::move(call));
 }
 
@@ -380,8 +390,12 @@ std::future<Status> Channel::CallFuture(
     google::protobuf::Message* response) {
   auto promise = std::make_shared<std::promise<Status>>();
   std::future<Status> future = promise->get_future();
-  CallAsync(method, ctx, request, response,
-            [promise](Status s) { promise->set_value(std::move(s)); });
+  // Setting the promise only wakes the waiter: no hand-off to the callback
+  // thread needed.
+  StartCall(
+      method, ctx, request, response,
+      [promise](Status s) { promise->set_value(std::move(s)); },
+      /*done_runs_inline=*/true);
   return future;
 }
 

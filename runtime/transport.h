@@ -43,6 +43,10 @@ struct ClientCall {
   };
   std::optional<Resend> resend;
   std::function<void(Status)> done;
+  // `done` only wakes a thread that waits for it (Channel::Call,
+  // CallFuture): a transport may run it on its own thread, such as the RDMA
+  // completion engine, instead of handing it to the callback thread.
+  bool done_runs_inline = false;
 };
 
 class ClientTransport {

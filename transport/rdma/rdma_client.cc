@@ -371,6 +371,10 @@ void ClientEndpoint::Complete(std::vector<Outcome> outcomes) {
     CallStats* stats = ctx->mutable_stats();
     stats->tensor_bytes_received = r.received_bytes;
     stats->cpu_copied_bytes += r.out.cpu_copied_bytes + r.response_copied;
+    if (r.call.done_runs_inline) {
+      r.call.done(std::move(o.status));
+      continue;
+    }
     internal::RunOnCallbackThread(
         [done = std::move(r.call.done), status = std::move(o.status)] {
           done(status);

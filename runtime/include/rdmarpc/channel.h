@@ -172,6 +172,11 @@ class Channel {
                                                 ChannelOptions options);
   Channel(std::string target, ChannelOptions options);
   // Hands `call` to the transport the policy and the RDMA health pick.
+  // CallAsync's body; `done_runs_inline`: see internal::ClientCall.
+  void StartCall(std::string_view method, ClientContext* ctx,
+                 const google::protobuf::Message& request,
+                 google::protobuf::Message* response,
+                 std::function<void(Status)> done, bool done_runs_inline);
   void Route(internal::ClientCall call);
   // Sends `call` over gRPC (or fails it under policy rdma); `why` goes in
   // its stats and, should gRPC fail too, in its status.
