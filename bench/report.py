@@ -30,16 +30,18 @@ def load(out):
 
 
 def index(rows):
-    """(experiment, system, metric) -> {param: value}"""
-    table = defaultdict(dict)
+    """(experiment, system, metric) -> {param: value}; a row measured in
+    several rounds counts with its median."""
+    values = defaultdict(lambda: defaultdict(list))
     for r in rows:
         try:
-            table[(r["experiment"], r["system"], r["metric"])][
-                int(r["param"])] = float(r["value"])
+            param = int(r["param"])
         except ValueError:
-            table[(r["experiment"], r["system"], r["metric"])][
-                r["param"]] = float(r["value"])
-    return table
+            param = r["param"]
+        values[(r["experiment"], r["system"], r["metric"])][param].append(
+            float(r["value"]))
+    return {key: {p: statistics.median(v) for p, v in points.items()}
+            for key, points in values.items()}
 
 
 def size_text(n):
@@ -112,7 +114,8 @@ def main():
         md += [f"## RDMA small calls vs 2 x ib_send_lat ({style})", "",
                "Handlers run on the server's worker pool (the default) or "
                "inline on the thread that received the call "
-               "(`SetRunHandlersInline`).", "",
+               "(`SetRunHandlersInline`). Each figure is the median of the "
+               "rounds in which the systems took turns.", "",
                "| size | rdmarpc p50 (us) | p99 (us) | inline handlers p50 "
                "(us) | 2 x ib_send_lat (us) | ratio | ratio, inline |",
                "|---|---|---|---|---|---|---|"]
@@ -166,7 +169,8 @@ def main():
                "Stock gRPC's synchronous server runs the handler on the "
                "thread that read the request; rdmarpc's server hands it to "
                "a worker (the default) or runs it inline "
-               "(`SetRunHandlersInline`).", "",
+               "(`SetRunHandlersInline`). Each figure is the median of the "
+               "rounds in which the systems took turns.", "",
                "| size | fallback p50 / p99 / p999 (us) | inline handlers "
                "p50 (us) | stock p50 / p99 / p999 (us) | p50 ratio | "
                "ratio, inline |", "|---|---|---|---|---|---|"]
