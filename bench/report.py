@@ -59,6 +59,12 @@ def ratio(a, b):
     return None if a is None or b in (None, 0) else a / b
 
 
+def worst_ratio(series, reference):
+    """The largest series / reference over the points both have, or None."""
+    return max((ratio(v, reference[p]) for p, v in series.items()
+                if p in reference), default=None)
+
+
 def plot(path, title, xlabel, ylabel, series, logx=True, logy=False):
     if not any(points for _, points in series):
         return
@@ -125,9 +131,9 @@ def main():
                       f"{fmt(lat99.get(s))} | {fmt(lat_inline.get(s))} | "
                       f"{fmt(ref)} | {fmt(ratio(lat[s], ref))} | "
                       f"{fmt(ratio(lat_inline.get(s), ref))} |")
+        round_trip = {s: 2 * v for s, v in send.items()}
         for label, series in (("", lat), (", inline handlers", lat_inline)):
-            worst = max((ratio(series[s], 2 * send[s])
-                         for s in series if s in send), default=None)
+            worst = worst_ratio(series, round_trip)
             if worst is None:
                 continue
             targets.append(("RDMA small-call round trip <= 1.5 x "
@@ -153,10 +159,10 @@ def main():
                "|---|---|---|"]
         for r in sorted(t_rdma):
             md.append(f"| {r} | {fmt(t_rdma[r])} | {fmt(t_ref.get(r))} |")
-        r = ratio(statistics.median(t_rdma.values()),
-                  statistics.median(t_ref.values()))
-        md += [f"| median | {fmt(statistics.median(t_rdma.values()))} | "
-               f"{fmt(statistics.median(t_ref.values()))} |", ""]
+        m_rdma = statistics.median(t_rdma.values())
+        m_ref = statistics.median(t_ref.values())
+        r = ratio(m_rdma, m_ref)
+        md += [f"| median | {fmt(m_rdma)} | {fmt(m_ref)} |", ""]
         targets.append(("64 MiB over RDMA >= 0.90 x ib_write_bw (medians of "
                         f"{len(t_rdma)} alternating rounds)", r, r >= 0.90))
 
@@ -184,8 +190,7 @@ def main():
                       f"{fmt(ratio(g50[s], s50.get(s)))} | "
                       f"{fmt(ratio(g50_inline.get(s), s50.get(s)))} |")
         for label, series in (("", g50), (", inline handlers", g50_inline)):
-            worst = max((ratio(series[s], s50[s])
-                         for s in series if s in s50), default=None)
+            worst = worst_ratio(series, s50)
             if worst is None:
                 continue
             targets.append(("gRPC fallback small-call p50 <= 1.1 x stock "
