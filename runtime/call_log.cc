@@ -16,6 +16,19 @@ Status AlreadyDelivered(uint64_t call_id) {
                    "re-send arrived; it is not run again"));
 }
 
+Status FateUnknown(uint64_t call_id) {
+  return absl::UnavailableError(absl::StrCat(
+      "call ", call_id,
+      " ran, but the server could not tell in time whether its response "
+      "reached the client; it is not run again (it may have run)"));
+}
+
+Status ShuttingDown(uint64_t call_id) {
+  return absl::UnavailableError(
+      absl::StrCat("the server is shutting down while call ", call_id,
+                   " is re-sent; it is not run again (it may have run)"));
+}
+
 }  // namespace
 
 void AnswerWithCopy(const Status& status, const Message* response,
@@ -66,7 +79,24 @@ Status CallLog::CheckUnknownRepeat(const ServerCallState& state,
   return absl::OkStatus();
 }
 
+template <typename Why>
+void CallLog::Refuse(std::vector<Waiter>& waiters, Why why) {
+  for (Waiter& w : waiters) w.done(why(w.state->call_id), nullptr);
+}
+
+void CallLog::DropLocked(std::map<Key, Record>::iterator it,
+                         Clock::time_point now, std::vector<Waiter>* answer) {
+  Record& r = it->second;
+  // A re-send of a call dropped inside its window must not run it again.
+  if (now - r.admitted <= options_.window) {
+    horizon_ = std::max(horizon_, r.admitted);
+  }
+  for (Waiter& w : r.waiters) answer->push_back(std::move(w));
+  records_.erase(it);
+}
+
 void CallLog::ExpireLocked(Clock::time_point now) {
+  std::vector<Waiter> unused;
   while (!order_.empty()) {
     auto it = records_.find(order_.front());
     if (it == records_.end()) {
@@ -74,25 +104,27 @@ void CallLog::ExpireLocked(Clock::time_point now) {
       continue;
     }
     Record& r = it->second;
-    bool settled = r.stage == Record::Stage::kRetained ||
-                   r.stage == Record::Stage::kDelivered;
     bool old = now - r.admitted > options_.window;
-    bool over = records_.size() > options_.max_records;
-    if (!settled || (!old && !over)) break;
-    if (!old) horizon_ = std::max(horizon_, r.admitted);
-    records_.erase(it);
+    bool over = records_.size() - overdue_.size() > options_.max_records;
+    if (!old && !over) break;
     order_.pop_front();
+    if (Settled(r)) {
+      DropLocked(it, now, &unused);  // settled: no waiters
+    } else {
+      overdue_.push_back(it->first);
+    }
   }
 }
 
 bool CallLog::Admit(const std::shared_ptr<ServerCallState>& state,
                     Dispatcher::Completion& done) {
   std::unique_lock<std::mutex> lock(mu_);
-  auto now = Clock::now();
+  auto now = options_.now();
   ExpireLocked(now);
   auto it = records_.find(KeyOf(*state));
   if (it == records_.end()) {
-    Status refused = CheckUnknownRepeat(*state, now);
+    Status refused = closed_ ? ShuttingDown(state->call_id)
+                             : CheckUnknownRepeat(*state, now);
     if (!refused.ok()) {
       ++stats_.repeats_refused;
       lock.unlock();
@@ -112,6 +144,13 @@ bool CallLog::Admit(const std::shared_ptr<ServerCallState>& state,
   switch (r.stage) {
     case Record::Stage::kRunning:
     case Record::Stage::kSending:
+      if (closed_ || Stuck(r, now)) {
+        ++stats_.repeats_refused;
+        status = closed_ ? ShuttingDown(state->call_id)
+                         : FateUnknown(state->call_id);
+        break;
+      }
+      if (r.waiters.empty()) waited_on_.push_back(it->first);
       r.waiters.push_back({state, std::move(done)});
       return false;
     case Record::Stage::kRetained:
@@ -145,6 +184,7 @@ void CallLog::Finished(const ServerCallState& state, const Status& status,
     auto it = records_.find(KeyOf(state));
     if (it == records_.end()) return;
     it->second.stage = Record::Stage::kSending;
+    it->second.finished = options_.now();
     waiters.swap(it->second.waiters);
     stats_.repeats_answered += waiters.size();
   }
@@ -166,9 +206,7 @@ void CallLog::Delivered(const ServerCallState& state) {
     waiters.swap(r.waiters);
     stats_.repeats_refused += waiters.size();
   }
-  for (Waiter& w : waiters) {
-    w.done(AlreadyDelivered(state.call_id), nullptr);
-  }
+  Refuse(waiters, AlreadyDelivered);
 }
 
 void CallLog::Undelivered(std::shared_ptr<ServerCallState> state, Status status,
@@ -191,6 +229,49 @@ void CallLog::Undelivered(std::shared_ptr<ServerCallState> state, Status status,
   for (Waiter& w : waiters) {
     AnswerWithCopy(status, kept.get(), state->tensors, w.state.get(), w.done);
   }
+}
+
+void CallLog::Sweep() {
+  std::vector<Waiter> timed_out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto now = options_.now();
+    ExpireLocked(now);
+    std::erase_if(waited_on_, [&](const Key& key) {
+      auto it = records_.find(key);
+      if (it == records_.end() || it->second.waiters.empty()) return true;
+      if (!Stuck(it->second, now)) return false;
+      for (Waiter& w : it->second.waiters) timed_out.push_back(std::move(w));
+      it->second.waiters.clear();
+      return true;
+    });
+    std::erase_if(overdue_, [&](const Key& key) {
+      auto it = records_.find(key);
+      if (it == records_.end()) return true;
+      if (!Settled(it->second) && !Stuck(it->second, now)) return false;
+      DropLocked(it, now, &timed_out);
+      return true;
+    });
+    stats_.repeats_refused += timed_out.size();
+  }
+  Refuse(timed_out, FateUnknown);
+}
+
+void CallLog::Close() {
+  std::vector<Waiter> waiting;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+    for (const Key& key : waited_on_) {
+      auto it = records_.find(key);
+      if (it == records_.end()) continue;
+      for (Waiter& w : it->second.waiters) waiting.push_back(std::move(w));
+      it->second.waiters.clear();
+    }
+    waited_on_.clear();
+    stats_.repeats_refused += waiting.size();
+  }
+  Refuse(waiting, ShuttingDown);
 }
 
 CallLog::Stats CallLog::stats() {

@@ -15,16 +15,25 @@
 // response could not be delivered gets that response (a copy of the
 // message, the same tensor buffers); a repeat of a delivered call, of a
 // call from before a server restart, or of one older than the window fails
-// with UNAVAILABLE, never running the handler twice. Memory: one small
-// record per call for `window` (30 s), at most `max_records`; an
-// undelivered response keeps its message and tensor buffers until it is
-// delivered by a repeat or the window passes.
+// with UNAVAILABLE, never running the handler twice. A repeat never waits
+// on a record that cannot settle: when the transport has not said within
+// `settle_timeout` whether the response arrived, or the server shuts down
+// (Close), the repeat gets UNAVAILABLE saying the call may have run.
+// Memory: one small record per call for `window` (30 s), at most
+// `max_records`; a record that outlives its window unsettled (a long
+// handler) is dropped once it settles, so it never holds back the expiry
+// of later ones. An undelivered response keeps its message and tensor
+// buffers until it is delivered by a repeat or the window passes.
+//
+// The owner calls Sweep() now and then (the server: every second) so that
+// waiting repeats time out without new traffic.
 #ifndef RDMARPC_RUNTIME_CALL_LOG_H_
 #define RDMARPC_RUNTIME_CALL_LOG_H_
 
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -39,9 +48,15 @@ namespace rdmarpc::internal {
 
 class CallLog {
  public:
+  using Clock = std::chrono::steady_clock;
   struct Options {
     std::chrono::milliseconds window{30000};
     size_t max_records = size_t{1} << 18;
+    // How long a repeat waits for the transport to report the fate of a
+    // response it is sending.
+    std::chrono::milliseconds settle_timeout{10000};
+    // The time source (tests pass a fake one).
+    std::function<Clock::time_point()> now = [] { return Clock::now(); };
   };
   struct Stats {
     uint64_t records = 0;           // now
@@ -71,11 +86,17 @@ class CallLog {
   void Undelivered(std::shared_ptr<ServerCallState> state, Status status,
                    std::unique_ptr<google::protobuf::Message> response);
 
+  // Expires old records and answers repeats that waited past
+  // settle_timeout with UNAVAILABLE.
+  void Sweep();
+  // The server is shutting down: every waiting repeat gets UNAVAILABLE now,
+  // and later repeats of running or sending calls get it at once.
+  void Close();
+
   Stats stats();
 
  private:
   using Key = std::pair<uint64_t, uint64_t>;  // client id, call id
-  using Clock = std::chrono::steady_clock;
   struct Waiter {
     std::shared_ptr<ServerCallState> state;
     Dispatcher::Completion done;
@@ -84,6 +105,7 @@ class CallLog {
     enum class Stage { kRunning, kSending, kRetained, kDelivered };
     Stage stage = Stage::kRunning;
     Clock::time_point admitted;
+    Clock::time_point finished;  // entered kSending
     std::vector<Waiter> waiters;
     // kRetained: the outcome, with the state whose tensors the response
     // refers to.
@@ -95,8 +117,25 @@ class CallLog {
   static Key KeyOf(const ServerCallState& state) {
     return {state.client_id, state.call_id};
   }
-  // Drops settled records past the window or over max_records. Requires mu_.
+  static bool Settled(const Record& r) {
+    return r.stage == Record::Stage::kRetained ||
+           r.stage == Record::Stage::kDelivered;
+  }
+  // A record whose response's fate the transport has not reported in time.
+  bool Stuck(const Record& r, Clock::time_point now) const {
+    return r.stage == Record::Stage::kSending &&
+           now - r.finished > options_.settle_timeout;
+  }
+  // Drops settled records past the window or over max_records; unsettled
+  // ones leave the order for overdue_, where Sweep drops them once they
+  // settle. Requires mu_.
   void ExpireLocked(Clock::time_point now);
+  // Erases `it`, moving its waiters (if any) to `answer`. Requires mu_.
+  void DropLocked(std::map<Key, Record>::iterator it, Clock::time_point now,
+                  std::vector<Waiter>* answer);
+  // Runs every waiter's completion with `why(call id)`; not under mu_.
+  template <typename Why>
+  static void Refuse(std::vector<Waiter>& waiters, Why why);
   // Why a repeat of a call the log does not know cannot run, or OK.
   Status CheckUnknownRepeat(const ServerCallState& state,
                             Clock::time_point now) const;
@@ -106,8 +145,12 @@ class CallLog {
   std::mutex mu_;
   std::map<Key, Record> records_;
   std::deque<Key> order_;  // admission order, for expiry
+  // Records with waiting repeats, and overdue ones, for Sweep.
+  std::vector<Key> waited_on_;
+  std::vector<Key> overdue_;
   // Admission time of the newest record dropped before its window passed.
   Clock::time_point horizon_{};
+  bool closed_ = false;
   Stats stats_;
 };
 

@@ -119,7 +119,7 @@ std::shared_ptr<Channel> CreateChannel(std::string target,
   return std::shared_ptr<Channel>(new Channel(std::move(target), options));
 }
 
-StatusOr<std::shared_ptr<rdma::RdmaClientTransport>> Channel::ConnectRdma() {
+rdma::RdmaConnectResult Channel::ConnectRdma() {
   rdma::RdmaClientHooks hooks;
   hooks.client_id = client_id_;
   hooks.reroute = [this](internal::ClientCall call, std::string why) {
@@ -131,11 +131,10 @@ StatusOr<std::shared_ptr<rdma::RdmaClientTransport>> Channel::ConnectRdma() {
   hooks.lost = [this, self](const Status& why, const std::string& trigger) {
     OnRdmaLost(*self, why, trigger);
   };
-  auto connected = rdma::RdmaClientTransport::Connect(grpc_.get(), options_,
-                                                      std::move(hooks));
-  if (!connected.ok()) return connected.status();
-  *self = connected->get();
-  return std::shared_ptr<rdma::RdmaClientTransport>(*std::move(connected));
+  rdma::RdmaConnectResult connected = rdma::RdmaClientTransport::Connect(
+      grpc_.get(), options_, std::move(hooks));
+  *self = connected.transport.get();
+  return connected;
 }
 
 void Channel::OnRdmaLost(const rdma::RdmaClientTransport* transport,
@@ -175,15 +174,15 @@ void Channel::RdmaLoop() {
     if (stopping_ && health_ != RdmaHealth::kConnecting) return;
     if (health_ == RdmaHealth::kConnecting) {
       lock.unlock();
-      auto connected = ConnectRdma();
+      rdma::RdmaConnectResult connected = ConnectRdma();
       lock.lock();
-      if (connected.ok()) {
-        rdma_ = *std::move(connected);
+      if (connected.transport) {
+        rdma_ = std::move(connected.transport);
         health_ = RdmaHealth::kReady;
       } else {
-        rdma_reason_ = std::string(connected.status().message());
+        rdma_reason_ = std::string(connected.error.message());
         // No RDMA on a side is not going to change; anything else might.
-        if (connected.status().code() == StatusCode::kFailedPrecondition) {
+        if (connected.no_rdma) {
           health_ = RdmaHealth::kGrpcOnly;
         } else {
           health_ = RdmaHealth::kDegraded;
@@ -211,19 +210,19 @@ void Channel::RdmaLoop() {
         static_cast<int64_t>(backoff.count() * jitter(random)));
     if (cv_.wait_for(lock, wait, [this] { return stopping_; })) return;
     lock.unlock();
-    auto connected = ConnectRdma();
+    rdma::RdmaConnectResult connected = ConnectRdma();
     lock.lock();
     ++counts_.probes;
-    if (!connected.ok()) {
-      counts_.last_probe_error = std::string(connected.status().message());
+    if (!connected.transport) {
+      counts_.last_probe_error = std::string(connected.error.message());
       backoff = std::min(backoff * 2, options_.rdma_probe_max_backoff);
       continue;
     }
     if (stopping_) {
-      retired_.push_back(*std::move(connected));
+      retired_.push_back(std::move(connected.transport));
       continue;
     }
-    rdma_ = *std::move(connected);
+    rdma_ = std::move(connected.transport);
     health_ = RdmaHealth::kReady;
     ++counts_.switches;
     rdma_reason_.clear();

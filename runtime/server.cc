@@ -1,7 +1,11 @@
 #include "rdmarpc/server.h"
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <condition_variable>
 #include <exception>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -51,7 +55,29 @@ class ServerDispatcher final : public Dispatcher {
         max_request_tensor_bytes_(max_request_tensor_bytes),
         run_inline_(run_inline),
         log_(CallLog::Options{}, RandomInstance()),
-        pool_(run_inline ? 1 : workers, "rdmarpc-worker") {}
+        pool_(run_inline ? 1 : workers, "rdmarpc-worker") {
+    sweeper_ = std::thread([this] { SweepLog(); });
+    pthread_setname_np(sweeper_.native_handle(), "rdmarpc-log");
+  }
+
+  ~ServerDispatcher() override {
+    {
+      std::lock_guard<std::mutex> lock(sweep_mu_);
+      stop_sweeping_ = true;
+    }
+    sweep_cv_.notify_all();
+    sweeper_.join();
+  }
+
+  // Re-sends still waiting at `deadline` get UNAVAILABLE then, so that a
+  // transport's shutdown never waits on a call the log holds back.
+  void CloseLogAt(std::chrono::system_clock::time_point deadline) {
+    {
+      std::lock_guard<std::mutex> lock(sweep_mu_);
+      close_log_at_ = deadline;
+    }
+    sweep_cv_.notify_all();
+  }
 
   const ServerMethod* Find(std::string_view path) const override {
     auto it = methods_.find(absl::string_view(path.data(), path.size()));
@@ -138,11 +164,36 @@ class ServerDispatcher final : public Dispatcher {
     return v;
   }
 
+  // Sweeps the log every second (so waiting re-sends time out without new
+  // traffic) and closes it at the shutdown deadline.
+  void SweepLog() {
+    using SystemClock = std::chrono::system_clock;
+    std::unique_lock<std::mutex> lock(sweep_mu_);
+    bool closed = false;
+    while (!stop_sweeping_) {
+      auto next = SystemClock::now() + std::chrono::seconds(1);
+      if (close_log_at_ && !closed) next = std::min(next, *close_log_at_);
+      sweep_cv_.wait_until(lock, next);
+      bool close =
+          !closed && close_log_at_ && SystemClock::now() >= *close_log_at_;
+      lock.unlock();
+      if (close) log_.Close();
+      log_.Sweep();
+      lock.lock();
+      closed = closed || close;
+    }
+  }
+
   absl::flat_hash_map<std::string, ServerMethod> methods_;
   uint64_t max_request_tensor_bytes_;
   bool run_inline_;
   CallLog log_;
   ThreadPool pool_;
+  std::mutex sweep_mu_;
+  std::condition_variable sweep_cv_;
+  bool stop_sweeping_ = false;
+  std::optional<std::chrono::system_clock::time_point> close_log_at_;
+  std::thread sweeper_;
 };
 
 }  // namespace internal
@@ -345,6 +396,7 @@ void Server::Shutdown(std::chrono::system_clock::time_point deadline) {
     if (shutdown_started_) return;
     shutdown_started_ = true;
   }
+  if (dispatcher_) dispatcher_->CloseLogAt(deadline);
   for (auto& t : transports_) t->Shutdown(deadline);
   // Every call has completed; the workers are idle.
   dispatcher_.reset();
@@ -357,8 +409,8 @@ void Server::Shutdown(std::chrono::system_clock::time_point deadline) {
 
 RdmaServerStats Server::rdma_stats() const {
   RdmaServerStats stats = rdma_stats_();
-  if (auto* d = static_cast<internal::ServerDispatcher*>(dispatcher_.get())) {
-    internal::CallLog::Stats log = d->call_log_stats();
+  if (dispatcher_) {
+    internal::CallLog::Stats log = dispatcher_->call_log_stats();
     stats.calls_logged = log.records;
     stats.repeats_answered = log.repeats_answered;
     stats.repeats_refused = log.repeats_refused;

@@ -144,6 +144,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   // Bytes a frame may take at most (the peer's receive size).
   size_t max_frame_bytes() const { return config_.peer_receive_bytes; }
+  // Bytes a frame from the peer may take (this side's receive size).
+  size_t receive_bytes() const { return config_.receive_bytes; }
   ibv_pd* pd() const { return res_.pd.get(); }
   ibv_cq* cq() const { return res_.cq.get(); }
   rdma_cm_id* cm_id() const { return res_.id.get(); }

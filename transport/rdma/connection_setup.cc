@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/fault_injection.h"
 #include "transport/rdma/engine.h"
 
 namespace rdmarpc::rdma {
@@ -126,6 +127,13 @@ StatusOr<std::shared_ptr<Connection>> ConnectToServer(
         absl::StrCat("server's RDMA address '", address, "' is not IPv4"));
   }
   int ms = static_cast<int>(timeout.count());
+  // Fault injection: address resolution fails with the armed errno.
+  if (auto err = internal::fault::kEnabled
+                     ? internal::fault::Take("rdma.client.resolve_errno")
+                     : std::nullopt) {
+    return VerbsError(absl::StrCat("rdma_resolve_addr ", address),
+                      static_cast<int>(*err));
+  }
   if (rdma_resolve_addr(id.get(), nullptr, reinterpret_cast<sockaddr*>(&dst),
                         ms) != 0) {
     return VerbsError(absl::StrCat("rdma_resolve_addr ", address), errno);

@@ -395,6 +395,22 @@ void AddGrantRegions(const IncomingPayload& in, Grant* grant) {
   }
 }
 
+Status CheckGrantFits(size_t regions, size_t receive_bytes, const char* what) {
+  // Varints at their widest: call id and grant id, then per region its
+  // tag and length, addr, rkey and length fields.
+  constexpr size_t kGrantBytes = 2 * (1 + 10);
+  constexpr size_t kRegionBytes = 2 + (1 + 10) + (1 + 5) + (1 + 10);
+  size_t frame = FrameBytes(kGrantBytes + regions * kRegionBytes, 0);
+  if (frame <= receive_bytes) return absl::OkStatus();
+  size_t most = (receive_bytes - FrameBytes(kGrantBytes, 0)) / kRegionBytes;
+  return absl::ResourceExhaustedError(
+      absl::StrCat(what, " needs ", regions,
+                   " RDMA writes (one per part sent out of band); one call "
+                   "can grant at most ",
+                   most, " (a grant must fit one ", receive_bytes,
+                   "-byte RDMA receive buffer): send fewer, larger tensors"));
+}
+
 StatusOr<internal::IncomingResult> FinishPayload(
     IncomingPayload* in, google::protobuf::Message* msg,
     const internal::TensorPlacement& placement, uint64_t max_tensor_bytes,

@@ -154,6 +154,12 @@ struct IncomingPayload {
 // Regions for a grant of `in.landing`.
 void AddGrantRegions(const IncomingPayload& in, Grant* grant);
 
+// OK when a grant of `regions` regions fits a `receive_bytes` receive
+// buffer (whatever the addresses and keys); else RESOURCE_EXHAUSTED naming
+// the limit, for `what` ("the request", "the response").
+[[nodiscard]] Status CheckGrantFits(size_t regions, size_t receive_bytes,
+                                    const char* what);
+
 // Once every out-of-band part has landed: drops the landing registrations,
 // copies staged parts to their GPU (ordered before `consumer`'s later work
 // when given, else complete on return), parses the message and binds its

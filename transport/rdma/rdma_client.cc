@@ -212,6 +212,18 @@ void ClientEndpoint::Start(internal::ClientCall call) {
     auto done = std::move(call.done);
     return done(payload.status());
   }
+  // The server's grant for the written parts comes to our receive buffers,
+  // and it takes at most WireLimits::max_parts: gRPC carries a bigger call.
+  Status fits = CheckGrantFits(payload->out_of_band.size(),
+                               conn->receive_bytes(), "the request");
+  if (fits.ok() && payload->parts.size() > WireLimits{}.max_parts) {
+    fits = absl::ResourceExhaustedError(absl::StrCat(
+        "the request has ", payload->parts.size(),
+        " parts; RDMA takes at most ", WireLimits{}.max_parts, " per call"));
+  }
+  if (!fits.ok()) {
+    return hooks_.reroute(std::move(call), std::string(fits.message()));
+  }
   auto record = std::make_unique<ClientRecord>();
   auto sources = RegisterSources(*payload, cache.get(), conn->pd());
   if (!sources.ok()) {
@@ -275,7 +287,10 @@ Status ClientEndpoint::AcceptResponse(ClientRecord& r) {
 void ClientEndpoint::SendCancelLocked(uint64_t call_id) {
   rdma::Cancel cancel;
   cancel.set_call_id(call_id);
-  (void)conn_->SendFrame(FrameType::kCancel, &cancel);
+  // Fails only on a closing connection, whose close ends the call on both
+  // sides.
+  Status sent = conn_->SendFrame(FrameType::kCancel, &cancel);
+  if (!sent.ok() && !conn_->closed()) conn_->Close(sent, "cancel not sent");
 }
 
 void ClientEndpoint::Cancel(uint64_t call_id, Status why) {
@@ -512,6 +527,8 @@ Status ClientEndpoint::OnResponse(const FrameView& frame,
   r.stage = ClientRecord::Stage::kAwaitResponseData;
   Status sent = conn_->SendFrame(FrameType::kGrant, &grant);
   if (!sent.ok()) {
+    // The server would wait for this grant: tell it the call is over.
+    SendCancelLocked(head.call_id());
     r.stage = ClientRecord::Stage::kAwaitResponse;
     FinishLocked(head.call_id(), sent, outcomes);
   }
@@ -582,14 +599,26 @@ void ClientEndpoint::OnClosed(const Status& why) {
   closed_cv_.notify_all();
 }
 
-StatusOr<std::unique_ptr<RdmaClientTransport>> RdmaClientTransport::Connect(
+namespace {
+
+RdmaConnectResult NoRdma(absl::string_view why) {
+  return {nullptr, absl::FailedPreconditionError(why), /*no_rdma=*/true};
+}
+
+RdmaConnectResult Failed(absl::string_view why) {
+  return {nullptr, absl::UnavailableError(why)};
+}
+
+}  // namespace
+
+RdmaConnectResult RdmaClientTransport::Connect(
     grpc_transport::GrpcClientTransport* grpc, const ChannelOptions& options,
     RdmaClientHooks hooks) {
   ForgetRemovedRdmaDevices();
   auto local = FindRdmaIpv4Address();
   if (!local.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "this host has no usable RDMA device: ", local.status().message()));
+    return NoRdma(absl::StrCat("this host has no usable RDMA device: ",
+                               local.status().message()));
   }
   HelloRequest hello;
   hello.set_version(kWireVersion);
@@ -598,28 +627,28 @@ StatusOr<std::unique_ptr<RdmaClientTransport>> RdmaClientTransport::Connect(
                                  options.rdma_connect_timeout);
   if (!answer.ok()) {
     if (answer.status().code() == StatusCode::kUnimplemented) {
-      return absl::FailedPreconditionError(
+      return NoRdma(
           "the server does not offer RDMA (it has no handshake method)");
     }
-    return absl::UnavailableError(
+    return Failed(
         absl::StrCat("RDMA handshake failed: ", answer.status().message()));
   }
   HelloResponse server;
   if (!server.ParseFromString(*answer)) {
-    return absl::UnavailableError("RDMA handshake answer does not parse");
+    return Failed("RDMA handshake answer does not parse");
   }
   if (!server.unavailable_reason().empty()) {
-    return absl::FailedPreconditionError(
+    return NoRdma(
         absl::StrCat("the server has no RDMA: ", server.unavailable_reason()));
   }
   if (server.version() != kWireVersion) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the server speaks RDMA wire version ", server.version(),
-                     ", this client ", kWireVersion));
+    return NoRdma(absl::StrCat("the server speaks RDMA wire version ",
+                               server.version(), ", this client ",
+                               kWireVersion));
   }
   if (server.cm_port() == 0 || server.cm_port() > 65535 ||
       server.token().size() != kTokenBytes) {
-    return absl::UnavailableError("RDMA handshake answer is malformed");
+    return Failed("RDMA handshake answer is malformed");
   }
   ConnectionConfig config;
   config.peer_receives = server.receives();
@@ -627,9 +656,9 @@ StatusOr<std::unique_ptr<RdmaClientTransport>> RdmaClientTransport::Connect(
   if (config.peer_receive_bytes < 1024 ||
       config.peer_receive_bytes > (1 << 24) || config.peer_receives < 4 ||
       config.peer_receives > 4096) {
-    return absl::UnavailableError(absl::StrCat(
-        "the server offers ", config.peer_receives, " receives of ",
-        config.peer_receive_bytes, " bytes, outside what this client uses"));
+    return Failed(absl::StrCat("the server offers ", config.peer_receives,
+                               " receives of ", config.peer_receive_bytes,
+                               " bytes, outside what this client uses"));
   }
   uint64_t threshold = server.inline_threshold();
   if (options.rdma_inline_threshold != 0) {
@@ -645,7 +674,7 @@ StatusOr<std::unique_ptr<RdmaClientTransport>> RdmaClientTransport::Connect(
   auto conn = ConnectToServer(
       server.cm_address(), static_cast<uint16_t>(server.cm_port()),
       server.token(), config, t->endpoint_, options.rdma_connect_timeout);
-  if (!conn.ok()) return conn.status();
+  if (!conn.ok()) return Failed(conn.status().message());
   t->conn_ = *std::move(conn);
   if (ibv_context* device = t->conn_->cm_id()->verbs) {
     absl::StrAppend(&t->description_, " (", ibv_get_device_name(device->device),
@@ -654,7 +683,7 @@ StatusOr<std::unique_ptr<RdmaClientTransport>> RdmaClientTransport::Connect(
   t->endpoint_->Attach(t->conn_);
   t->monitor_ = std::thread([raw = t.get()] { raw->Monitor(); });
   pthread_setname_np(t->monitor_.native_handle(), "rdmarpc-monitor");
-  return t;
+  return {std::move(t), absl::OkStatus()};
 }
 
 RdmaClientTransport::~RdmaClientTransport() {

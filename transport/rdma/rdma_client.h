@@ -58,15 +58,25 @@ struct RdmaClientHooks {
   std::function<void(const Status& why, const std::string& trigger)> lost;
 };
 
+class RdmaClientTransport;
+
+// What a connect attempt came to: a transport, or why not.
+struct RdmaConnectResult {
+  std::unique_ptr<RdmaClientTransport> transport;  // null: not connected
+  Status error;                                    // why not
+  // This host or the server has no RDMA at all (no device, no handshake
+  // method, RDMA off, another wire version): trying again will not help.
+  // Any other failure (refused, timed out, an address in use) may pass.
+  bool no_rdma = false;
+};
+
 class RdmaClientTransport final : public internal::ClientTransport {
  public:
   // Handshake and connect. `grpc` says hello; it must outlive the
-  // transport. The error says why RDMA cannot be used: FAILED_PRECONDITION
-  // when the server or this host has no RDMA, UNAVAILABLE when the
-  // handshake or connect failed or timed out.
-  static StatusOr<std::unique_ptr<RdmaClientTransport>> Connect(
-      grpc_transport::GrpcClientTransport* grpc, const ChannelOptions& options,
-      RdmaClientHooks hooks);
+  // transport.
+  static RdmaConnectResult Connect(grpc_transport::GrpcClientTransport* grpc,
+                                   const ChannelOptions& options,
+                                   RdmaClientHooks hooks);
   // Closes the connection and waits until its calls have completed with
   // UNAVAILABLE (not re-sent: the channel is going away).
   ~RdmaClientTransport() override;

@@ -27,6 +27,9 @@ struct ServerShared {
   std::condition_variable cv;
   int handlers_running = 0;
   int endpoints_open = 0;
+  // Handlers still running for connections that closed (their clients
+  // re-send over gRPC): cancelled at the shutdown deadline like the rest.
+  std::vector<std::weak_ptr<internal::ServerCallState>> detached;
   std::atomic<uint64_t> accepted{0};
   std::atomic<uint64_t> refused{0};
   std::atomic<uint64_t> protocol_errors{0};
@@ -177,8 +180,10 @@ Status ServerEndpoint::OnFrame(const FrameView& frame) {
     case FrameType::kPing: {
       RDMARPC_ASSIGN_OR_RETURN(Ping ping, ParsePing(frame));
       std::lock_guard<std::mutex> lock(mu_);
-      if (!closed_) (void)conn_->SendFrame(FrameType::kPong, &ping);
-      return absl::OkStatus();
+      if (closed_) return absl::OkStatus();
+      // Fails only on a closing connection, whose close ends the calls.
+      Status sent = conn_->SendFrame(FrameType::kPong, &ping);
+      return conn_->closed() ? absl::OkStatus() : sent;
     }
     case FrameType::kRequest:
       return OnRequest(frame);
@@ -300,6 +305,14 @@ Status ServerEndpoint::AdmitRequest(const FrameView& frame) {
     return absl::OkStatus();
   }
   r.in = *std::move(in);
+  // The grant goes to the client's receive buffers: a request it would not
+  // fit is carried over gRPC instead.
+  Status fits = CheckGrantFits(r.in.landing.size(), conn_->max_frame_bytes(),
+                               "the request");
+  if (!fits.ok()) {
+    FailLocked(call_id, fits, /*not_executed=*/true);
+    return absl::OkStatus();
+  }
   uint64_t landing_bytes = 0;
   for (const TensorBuffer& b : r.in.landing) landing_bytes += b.size();
   if (landing_bytes > 0) {
@@ -335,7 +348,10 @@ Status ServerEndpoint::AdmitRequest(const FrameView& frame) {
   AddGrantRegions(r.in, &grant);
   grants_[r.grant_id] = call_id;
   r.stage = ServerRecord::Stage::kAwaitRequestData;
-  (void)conn_->SendFrame(FrameType::kGrant, &grant);
+  Status granted = conn_->SendFrame(FrameType::kGrant, &grant);
+  // Not run: the client carries the call over gRPC (or, on a closing
+  // connection, re-sends it).
+  if (!granted.ok()) FailLocked(call_id, granted, /*not_executed=*/true);
   return absl::OkStatus();
 }
 
@@ -418,6 +434,10 @@ void ServerEndpoint::Respond(
                      absl::StrCat("handler built a response RDMA cannot send: ",
                                   out.status().message())));
   }
+  // The client's grant for the written parts comes to our receive buffers.
+  Status fits = CheckGrantFits(out->out_of_band.size(), conn_->receive_bytes(),
+                               "the response");
+  if (!fits.ok()) return FailLocked(call_id, fits);
   auto sources = RegisterSources(*out, cache_.get(), conn_->pd());
   if (!sources.ok()) return FailLocked(call_id, sources.status());
   r.sources = *std::move(sources);
@@ -433,11 +453,25 @@ void ServerEndpoint::Respond(
           std::make_shared<std::unique_ptr<Message>>(std::move(response)));
     }
   } else {
+    // Delivered once the client has taken the written parts (OnGrant), or
+    // kept for a re-send when it cannot (here, OnCancel, OnClosed).
     r.response = std::move(response);
+  }
+  // Fault injection: the connection starts closing just before the
+  // response goes out, so its send fails.
+  if (RDMARPC_FAULT("rdma.server.close_before_response")) {
+    conn_->Close(absl::UnavailableError("fault: closed before the response"),
+                 "fault");
   }
   Status queued =
       conn_->SendFrame(FrameType::kResponse, &head, r.out.inline_parts, sent);
-  if (!queued.ok() && sent) sent(queued);
+  if (!queued.ok()) {
+    if (sent) {
+      sent(queued);
+    } else if (state->logged) {
+      dispatcher_->Undelivered(state, absl::OkStatus(), std::move(r.response));
+    }
+  }
   if (!queued.ok() || r.sources.empty()) {
     ForgetLocked(call_id);
     return;
@@ -500,6 +534,7 @@ void ServerEndpoint::OnCancel(uint64_t call_id) {
 
 void ServerEndpoint::OnClosed(const Status&) {
   std::shared_ptr<Connection> conn;
+  std::vector<std::weak_ptr<internal::ServerCallState>> running;
   {
     std::lock_guard<std::mutex> lock(mu_);
     closed_ = true;
@@ -507,10 +542,14 @@ void ServerEndpoint::OnClosed(const Status&) {
       if (!r->state) continue;
       if (r->state->logged) {
         // The client re-sends it over gRPC: a running handler goes on, and
-        // a response it could not take is kept for the re-send.
-        if (r->stage == ServerRecord::Stage::kAwaitResponseGrant) {
+        // a response it could not take (or take whole) is kept for the
+        // re-send; writes still in flight find no call and report nothing.
+        if (r->stage == ServerRecord::Stage::kAwaitResponseGrant ||
+            r->stage == ServerRecord::Stage::kWritingResponse) {
           dispatcher_->Undelivered(r->state, absl::OkStatus(),
                                    std::move(r->response));
+        } else if (r->stage == ServerRecord::Stage::kRunning) {
+          running.push_back(r->state);
         }
       } else {
         r->state->cancelled.store(true);
@@ -523,6 +562,9 @@ void ServerEndpoint::OnClosed(const Status&) {
   }
   if (conn && conn->broke_protocol()) shared_->protocol_errors.fetch_add(1);
   std::lock_guard<std::mutex> lock(shared_->mu);
+  std::erase_if(shared_->detached, [](const auto& w) { return w.expired(); });
+  shared_->detached.insert(shared_->detached.end(), running.begin(),
+                           running.end());
   --shared_->endpoints_open;
   shared_->cv.notify_all();
 }
@@ -794,6 +836,9 @@ void RdmaServerTransport::Shutdown(
   for (auto& e : endpoints) e->CancelAll();
   {
     std::unique_lock<std::mutex> lock(shared_->mu);
+    for (const auto& weak : shared_->detached) {
+      if (auto state = weak.lock()) state->cancelled.store(true);
+    }
     shared_->cv.wait(lock, running);
   }
   // Let the last responses leave before the connections go.

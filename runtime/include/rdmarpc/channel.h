@@ -131,6 +131,7 @@ struct ClientCall;
 }  // namespace internal
 namespace rdma {
 class RdmaClientTransport;
+struct RdmaConnectResult;
 }  // namespace rdma
 namespace grpc_transport {
 class GrpcClientTransport;
@@ -188,7 +189,7 @@ class Channel {
                   const std::string& trigger);
   // rdma-ready -> degraded. Requires mu_.
   void MarkRdmaLostLocked(const Status& why, const std::string& trigger);
-  StatusOr<std::shared_ptr<rdma::RdmaClientTransport>> ConnectRdma();
+  rdma::RdmaConnectResult ConnectRdma();
 
   std::string target_;
   ChannelOptions options_;

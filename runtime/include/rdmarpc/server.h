@@ -144,7 +144,7 @@ struct RdmaServerStats {
 class Server;
 namespace internal {
 class ServerTransport;
-class Dispatcher;
+class ServerDispatcher;
 }  // namespace internal
 
 class ServerBuilder {
@@ -243,7 +243,7 @@ class Server {
   friend class ServerBuilder;
   Server();
 
-  std::unique_ptr<internal::Dispatcher> dispatcher_;
+  std::unique_ptr<internal::ServerDispatcher> dispatcher_;
   std::vector<std::unique_ptr<internal::ServerTransport>> transports_;
   std::function<RdmaServerStats()> rdma_stats_;
   std::mutex mu_;

@@ -1,11 +1,14 @@
 // The channel's fallback triggers that need a server to misbehave, driven by
 // fault points (runtime/fault_injection.h) on real RDMA (label rdma): a
-// server without RDMA, a refused handshake, a connect that times out, and a
-// server that stops answering on RDMA while its gRPC port answers. Each
-// checks the channel's state, its trigger text, that calls complete (the
-// handler running once), and fail-back where RDMA can recover.
+// server without RDMA, a refused handshake, a connect that times out or
+// fails for a while, a server that stops answering on RDMA while its gRPC
+// port answers, a response whose send fails on a closing connection, and a
+// shutdown with a re-send pending. Each checks the channel's state, its
+// trigger text, that calls complete (the handler running once), and
+// fail-back where RDMA can recover.
 #include <gtest/gtest.h>
 
+#include <cerrno>
 #include <chrono>
 #include <string>
 #include <thread>
@@ -180,6 +183,72 @@ TEST_F(FallbackTest, HandlerRunningWhenTheConnectionDropsRunsOnce) {
   EXPECT_EQ(service_.slow_started.load(), started + 1);
   EXPECT_EQ(channel->transport_stats().calls_resent, 1u);
   EXPECT_GE(server_->rdma_stats().repeats_answered, 1u);
+}
+
+TEST_F(FallbackTest, TransientConnectErrorDegradesAndProbesBack) {
+  Start();
+  // An address in use is a passing condition, not "no RDMA here".
+  fault::Arm("rdma.client.resolve_errno", 1, EADDRINUSE);
+  auto channel = Channel({});
+  EXPECT_EQ(Echo(channel.get(), 64), rdmarpc::TransportKind::kGrpc);
+  rdmarpc::ChannelTransportStats stats = channel->transport_stats();
+  EXPECT_NE(stats.health, RdmaHealth::kGrpcOnly) << stats.ToString();
+  EXPECT_EQ(stats.last_trigger, "connect failed");
+  EXPECT_NE(stats.last_error.find("rdma_resolve_addr"), std::string::npos)
+      << stats.last_error;
+  ASSERT_TRUE(WaitFor(channel.get(), RdmaHealth::kReady, 10s))
+      << channel->transport_stats().ToString();
+  EXPECT_EQ(Echo(channel.get(), 64), rdmarpc::TransportKind::kRdma);
+}
+
+TEST_F(FallbackTest, ResponseSendFailingOnAClosingConnectionIsKeptForResend) {
+  Start();
+  auto channel = Channel({});
+  ASSERT_EQ(Echo(channel.get(), 300000), rdmarpc::TransportKind::kRdma);
+  int runs_before = service_.echo_calls.load();
+  // The handler runs; its response (written parts, no send callback) fails
+  // to go out because the connection starts closing. The log must keep it
+  // for the client's re-send over gRPC.
+  fault::Arm("rdma.server.close_before_response", 1);
+  rdmarpc::Status s;
+  EXPECT_EQ(Echo(channel.get(), 300000, &s), rdmarpc::TransportKind::kGrpc)
+      << s;
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(service_.echo_calls.load(), runs_before + 1);
+  EXPECT_EQ(channel->transport_stats().calls_resent, 1u);
+  EXPECT_GE(server_->rdma_stats().repeats_answered, 1u);
+}
+
+TEST_F(FallbackTest, ShutdownWithAResendPendingEndsByItsDeadline) {
+  Start();
+  auto channel = Channel({});
+  ASSERT_EQ(Echo(channel.get(), 64), rdmarpc::TransportKind::kRdma);
+  int started = service_.slow_started.load();
+  int saw_cancel = service_.slow_saw_cancel.load();
+  rdmarpc::ClientContext ctx;
+  EchoRequest req;
+  EchoResponse resp;
+  req.set_sleep_ms(120000);
+  auto future = channel->CallFuture("/rdmarpc_test.E2E/Slow", &ctx, req, &resp);
+  while (service_.slow_started.load() == started) {
+    std::this_thread::sleep_for(5ms);
+  }
+  // The connection breaks under the running handler: the re-send over
+  // gRPC waits in the server's call log for that run.
+  fault::Arm("rdma.client.qp_error", 1);
+  while (channel->transport_stats().calls_resent == 0) {
+    std::this_thread::sleep_for(5ms);
+  }
+  auto start = std::chrono::steady_clock::now();
+  server_->Shutdown(std::chrono::system_clock::now() + 1s);
+  auto took = std::chrono::steady_clock::now() - start;
+  // Far below the handler's own 120 s: the deadline ended it.
+  EXPECT_LT(took, 60s);
+  rdmarpc::Status s = future.get();
+  EXPECT_FALSE(s.ok());
+  EXPECT_EQ(service_.slow_saw_cancel.load(), saw_cancel + 1)
+      << "the detached handler is cancelled at the deadline";
+  EXPECT_EQ(service_.slow_started.load(), started + 1);
 }
 
 }  // namespace

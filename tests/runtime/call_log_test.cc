@@ -1,0 +1,255 @@
+// CallLog, the server's record that keeps re-sent calls exactly-once:
+// first arrivals run, repeats wait for or reuse the outcome, and nothing
+// waits forever (settle timeout, Close, expiry past a stuck record). The
+// clock is fake, so every step is an event the test controls.
+#include "runtime/call_log.h"
+
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "runtime_test.pb.h"
+
+namespace rdmarpc::internal {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = CallLog::Clock;
+
+constexpr uint64_t kInstance = 77;
+constexpr uint64_t kClient = 5;
+
+// One completion's outcome; `runs` counts how often it ran.
+struct Outcome {
+  int runs = 0;
+  std::optional<Status> status;
+  std::unique_ptr<google::protobuf::Message> response;
+};
+
+class CallLogTest : public ::testing::Test {
+ protected:
+  CallLogTest() {
+    method_.descriptor.path = "/test.Svc/Run";
+    method_.descriptor.request_prototype =
+        &rdmarpc_runtime_test::Outer::default_instance();
+    method_.descriptor.response_prototype =
+        &rdmarpc_runtime_test::Outer::default_instance();
+  }
+
+  CallLog::Options Options() {
+    CallLog::Options o;
+    o.window = 30s;
+    o.settle_timeout = 10s;
+    o.now = [this] { return now_; };
+    return o;
+  }
+
+  // A call as a transport hands it to the log; `resent` marks a re-send.
+  std::shared_ptr<ServerCallState> Call(uint64_t call_id, bool resent = false,
+                                        uint64_t instance = kInstance) {
+    auto state =
+        std::make_shared<ServerCallState>(&method_, TransportKind::kGrpc);
+    state->client_id = kClient;
+    state->call_id = call_id;
+    state->logged = true;
+    if (resent) state->resend = ServerCallState::Resend{instance, 1ms};
+    return state;
+  }
+
+  // Admits `state`; a repeat's completion records into `out`.
+  static bool Admit(CallLog& log, const std::shared_ptr<ServerCallState>& state,
+                    Outcome* out) {
+    Dispatcher::Completion done =
+        [out](Status s, std::unique_ptr<google::protobuf::Message> r) {
+          ++out->runs;
+          out->status = std::move(s);
+          out->response = std::move(r);
+        };
+    return log.Admit(state, done);
+  }
+
+  static std::unique_ptr<google::protobuf::Message> Response(
+      const std::string& label) {
+    auto r = std::make_unique<rdmarpc_runtime_test::Outer>();
+    (*r->mutable_labels())["v"] = label;
+    return r;
+  }
+
+  static std::string LabelOf(const Outcome& o) {
+    auto* r =
+        dynamic_cast<const rdmarpc_runtime_test::Outer*>(o.response.get());
+    return r == nullptr ? "" : r->labels().at("v");
+  }
+
+  ServerMethod method_;
+  Clock::time_point now_ = Clock::time_point() + 1000h;
+};
+
+TEST_F(CallLogTest, RepeatOfARunningCallWaitsForItsOutcome) {
+  CallLog log(Options(), kInstance);
+  auto first = Call(1);
+  Outcome unused, repeat;
+  ASSERT_TRUE(Admit(log, first, &unused));
+  EXPECT_FALSE(Admit(log, Call(1, /*resent=*/true), &repeat));
+  EXPECT_EQ(repeat.runs, 0);
+  auto response = Response("ran");
+  log.Finished(*first, absl::OkStatus(), response.get());
+  EXPECT_EQ(repeat.runs, 1);
+  ASSERT_TRUE(repeat.status && repeat.status->ok()) << *repeat.status;
+  EXPECT_EQ(LabelOf(repeat), "ran");
+  log.Delivered(*first);
+  EXPECT_EQ(repeat.runs, 1);
+  EXPECT_EQ(unused.runs, 0);
+  EXPECT_EQ(log.stats().repeats_answered, 1u);
+}
+
+TEST_F(CallLogTest, RepeatOfAnUndeliveredCallGetsTheKeptResponse) {
+  CallLog log(Options(), kInstance);
+  auto first = Call(2);
+  Outcome unused, repeat;
+  ASSERT_TRUE(Admit(log, first, &unused));
+  auto response = Response("kept");
+  log.Finished(*first, absl::OkStatus(), response.get());
+  log.Undelivered(first, absl::OkStatus(), std::move(response));
+  EXPECT_FALSE(Admit(log, Call(2, true), &repeat));
+  EXPECT_EQ(repeat.runs, 1);
+  ASSERT_TRUE(repeat.status->ok()) << *repeat.status;
+  EXPECT_EQ(LabelOf(repeat), "kept");
+}
+
+TEST_F(CallLogTest, RepeatOfADeliveredCallIsRefusedNotRun) {
+  CallLog log(Options(), kInstance);
+  auto first = Call(3);
+  Outcome unused, repeat;
+  ASSERT_TRUE(Admit(log, first, &unused));
+  log.Finished(*first, absl::OkStatus(), nullptr);
+  log.Delivered(*first);
+  EXPECT_FALSE(Admit(log, Call(3, true), &repeat));
+  EXPECT_EQ(repeat.runs, 1);
+  EXPECT_EQ(repeat.status->code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(repeat.status->message().find("already ran"), std::string::npos);
+}
+
+TEST_F(CallLogTest, RepeatNeverWaitsOnAResponseWhoseFateIsNotReported) {
+  CallLog log(Options(), kInstance);
+  auto first = Call(4);
+  Outcome unused, waiting, later;
+  ASSERT_TRUE(Admit(log, first, &unused));
+  auto response = Response("lost");
+  // The handler finished; the transport never says whether the response
+  // reached the client.
+  log.Finished(*first, absl::OkStatus(), response.get());
+  EXPECT_FALSE(Admit(log, Call(4, true), &waiting));
+  now_ += 9s;
+  log.Sweep();
+  EXPECT_EQ(waiting.runs, 0) << "inside settle_timeout it still waits";
+  now_ += 2s;
+  log.Sweep();
+  ASSERT_EQ(waiting.runs, 1);
+  EXPECT_EQ(waiting.status->code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(waiting.status->message().find("may have run"), std::string::npos)
+      << *waiting.status;
+  // A later repeat is answered at once.
+  EXPECT_FALSE(Admit(log, Call(4, true), &later));
+  EXPECT_EQ(later.runs, 1);
+  EXPECT_EQ(later.status->code(), absl::StatusCode::kUnavailable);
+  // The transport reporting late changes nothing for the answered ones.
+  log.Delivered(*first);
+  EXPECT_EQ(waiting.runs, 1);
+  EXPECT_EQ(later.runs, 1);
+}
+
+TEST_F(CallLogTest, CloseAnswersWaitingRepeatsAndRefusesLaterOnes) {
+  CallLog log(Options(), kInstance);
+  auto running = Call(5);
+  Outcome unused, waiting, after, unknown;
+  ASSERT_TRUE(Admit(log, running, &unused));
+  EXPECT_FALSE(Admit(log, Call(5, true), &waiting));
+  log.Close();
+  ASSERT_EQ(waiting.runs, 1);
+  EXPECT_EQ(waiting.status->code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(waiting.status->message().find("shutting down"), std::string::npos);
+  EXPECT_FALSE(Admit(log, Call(5, true), &after));
+  EXPECT_EQ(after.runs, 1);
+  EXPECT_EQ(after.status->code(), absl::StatusCode::kUnavailable);
+  EXPECT_FALSE(Admit(log, Call(6, true), &unknown));
+  EXPECT_EQ(unknown.runs, 1);
+  // The handler finishing later answers nobody twice.
+  auto response = Response("late");
+  log.Finished(*running, absl::OkStatus(), response.get());
+  EXPECT_EQ(waiting.runs, 1);
+}
+
+TEST_F(CallLogTest, AStuckRecordDoesNotHoldBackExpiry) {
+  CallLog log(Options(), kInstance);
+  auto stuck = Call(10);
+  Outcome unused;
+  ASSERT_TRUE(Admit(log, stuck, &unused));  // its handler never returns
+  for (uint64_t id = 11; id <= 20; ++id) {
+    auto c = Call(id);
+    ASSERT_TRUE(Admit(log, c, &unused));
+    log.Finished(*c, absl::OkStatus(), nullptr);
+    log.Delivered(*c);
+  }
+  EXPECT_EQ(log.stats().records, 11u);
+  now_ += 31s;
+  log.Sweep();
+  EXPECT_EQ(log.stats().records, 1u) << "only the running call is kept";
+  // The running call stays exactly-once past its window.
+  Outcome repeat;
+  EXPECT_FALSE(Admit(log, Call(10, true), &repeat));
+  EXPECT_EQ(repeat.runs, 0);
+  log.Finished(*stuck, absl::OkStatus(), nullptr);
+  EXPECT_EQ(repeat.runs, 1);
+  log.Delivered(*stuck);
+  log.Sweep();
+  EXPECT_EQ(log.stats().records, 0u);
+  EXPECT_EQ(unused.runs, 0);
+}
+
+TEST_F(CallLogTest, RecordsOverTheCapMoveTheHorizon) {
+  CallLog::Options options = Options();
+  options.max_records = 4;
+  CallLog log(options, kInstance);
+  Outcome unused, repeat;
+  for (uint64_t id = 1; id <= 6; ++id) {
+    auto c = Call(id);
+    ASSERT_TRUE(Admit(log, c, &unused));
+    log.Finished(*c, absl::OkStatus(), nullptr);
+    log.Delivered(*c);
+    now_ += 1ms;
+  }
+  Outcome trigger;
+  ASSERT_TRUE(Admit(log, Call(7), &trigger));
+  EXPECT_LE(log.stats().records, 5u);
+  // Call 1 was dropped inside its window: a re-send of it cannot be told
+  // apart from a new call, so it is refused rather than run again.
+  auto resend = Call(1, true);
+  resend->resend->age = 10ms;
+  EXPECT_FALSE(Admit(log, resend, &repeat));
+  EXPECT_EQ(repeat.runs, 1);
+  EXPECT_EQ(repeat.status->code(), absl::StatusCode::kUnavailable);
+}
+
+TEST_F(CallLogTest, RepeatsFromAnotherServerInstanceOrTooOldAreRefused) {
+  CallLog log(Options(), kInstance);
+  Outcome restarted, old;
+  EXPECT_FALSE(
+      Admit(log, Call(30, true, /*instance=*/kInstance + 1), &restarted));
+  EXPECT_EQ(restarted.status->code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(restarted.status->message().find("restarted"), std::string::npos);
+  auto aged = Call(31, true);
+  aged->resend->age = 31s;
+  EXPECT_FALSE(Admit(log, aged, &old));
+  EXPECT_EQ(old.status->code(), absl::StatusCode::kUnavailable);
+  // A re-send the log has never seen, inside the window, runs.
+  Outcome fresh;
+  EXPECT_TRUE(Admit(log, Call(32, true), &fresh));
+  EXPECT_EQ(fresh.runs, 0);
+}
+
+}  // namespace
+}  // namespace rdmarpc::internal

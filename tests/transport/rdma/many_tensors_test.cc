@@ -1,0 +1,129 @@
+// Calls with thousands of tensors over RDMA (label rdma): each written
+// tensor needs a region in one grant frame, so a call can carry only so
+// many. Past that, a request goes over gRPC instead and a response fails
+// with RESOURCE_EXHAUSTED naming the limit; neither ever hangs.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "many_tensors.rdmarpc.pb.h"
+#include "rdmarpc/channel.h"
+#include "rdmarpc/server.h"
+
+namespace rdmarpc_test {
+namespace {
+
+constexpr size_t kTensorBytes = 4096;  // written: past the inline room
+
+class ManyService final : public Many::Service {
+ public:
+  rdmarpc::Status Echo(rdmarpc::ServerContext* ctx, const ManyTensors& req,
+                       ManyTensors* resp) override {
+    for (int i = 0; i < req.reply_parts() && req.parts_size() > 0; ++i) {
+      RDMARPC_ASSIGN_OR_RETURN(
+          rdmarpc::TensorView in,
+          ctx->tensors().Get(req.parts(i % req.parts_size())));
+      RDMARPC_RETURN_IF_ERROR(ctx->tensors().Set(resp->add_parts(), in));
+    }
+    return absl::OkStatus();
+  }
+};
+
+class ManyTensorsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto server = rdmarpc::ServerBuilder()
+                      .AddListeningPort("127.0.0.1:0", &port_)
+                      .RegisterService(&service_)
+                      .BuildAndStart();
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    channel_ = rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port_));
+    stub_ = Many::NewStub(channel_);
+  }
+
+  // Sends `parts` tensors of kTensorBytes, asks `reply` back (part i is
+  // request part i % parts), and checks every byte of what came back.
+  rdmarpc::Status Call(int parts, int reply, rdmarpc::ClientContext* ctx) {
+    bytes_.assign(size_t(parts) * kTensorBytes, 0);
+    for (size_t i = 0; i < bytes_.size(); ++i) {
+      bytes_[i] = static_cast<uint8_t>(i * 7 + i / kTensorBytes);
+    }
+    ManyTensors req;
+    req.set_reply_parts(reply);
+    for (int i = 0; i < parts; ++i) {
+      rdmarpc::Status bound = ctx->tensors().Set(
+          req.add_parts(), rdmarpc::DTYPE_U8,
+          {static_cast<int64_t>(kTensorBytes)},
+          rdmarpc::TensorBuffer::Borrow(bytes_.data() + i * kTensorBytes,
+                                        kTensorBytes));
+      if (!bound.ok()) return bound;
+    }
+    ManyTensors resp;
+    rdmarpc::Status s = stub_->Echo(ctx, req, &resp);
+    if (!s.ok()) return s;
+    EXPECT_EQ(resp.parts_size(), reply);
+    for (int i = 0; i < resp.parts_size(); ++i) {
+      auto out = ctx->tensors().Get(resp.parts(i));
+      const uint8_t* want = bytes_.data() + (i % parts) * kTensorBytes;
+      EXPECT_TRUE(out.ok() && out->size() == kTensorBytes &&
+                  std::memcmp(out->data(), want, kTensorBytes) == 0)
+          << "part " << i;
+    }
+    return s;
+  }
+
+  ManyService service_;
+  int port_ = 0;
+  std::unique_ptr<rdmarpc::Server> server_;
+  std::shared_ptr<rdmarpc::Channel> channel_;
+  std::unique_ptr<Many::Stub> stub_;
+  std::vector<uint8_t> bytes_;
+};
+
+TEST_F(ManyTensorsTest, HundredsOfWrittenTensorsGoOverRdma) {
+  rdmarpc::ClientContext ctx;
+  rdmarpc::Status s = Call(500, 500, &ctx);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(ctx.stats().transport, rdmarpc::TransportKind::kRdma)
+      << ctx.stats().ToString();
+}
+
+TEST_F(ManyTensorsTest, FiveThousandTensorsCompleteOverGrpcWithTheReason) {
+  rdmarpc::ClientContext warm;
+  ASSERT_TRUE(Call(1, 1, &warm).ok());
+  rdmarpc::ClientContext ctx;
+  rdmarpc::Status s = Call(5000, 3, &ctx);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(ctx.stats().transport, rdmarpc::TransportKind::kGrpc);
+  EXPECT_NE(ctx.stats().transport_reason.find("can grant at most"),
+            std::string::npos)
+      << ctx.stats().transport_reason;
+}
+
+TEST_F(ManyTensorsTest, AResponseWithTooManyTensorsFailsNamingTheLimit) {
+  rdmarpc::ClientContext warm;
+  ASSERT_TRUE(Call(1, 1, &warm).ok());
+  // 1000 go out over RDMA; 3000 back need a grant no receive buffer holds.
+  rdmarpc::ClientContext ctx;
+  rdmarpc::Status s = Call(1000, 0, &ctx);
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_EQ(ctx.stats().transport, rdmarpc::TransportKind::kRdma);
+  rdmarpc::ClientContext big;
+  s = Call(1000, 3000, &big);
+  if (big.stats().transport == rdmarpc::TransportKind::kRdma) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+    EXPECT_NE(s.message().find("at most"), std::string::npos) << s;
+  } else {
+    ADD_FAILURE() << "expected RDMA: " << big.stats().ToString();
+  }
+  // The connection is fine afterwards.
+  rdmarpc::ClientContext after;
+  EXPECT_TRUE(Call(10, 10, &after).ok());
+  EXPECT_EQ(after.stats().transport, rdmarpc::TransportKind::kRdma);
+}
+
+}  // namespace
+}  // namespace rdmarpc_test
