@@ -47,6 +47,8 @@ TEST(CallTensorsTest, SetDescribesFieldAndGetReturnsView) {
   ASSERT_TRUE(view.ok());
   EXPECT_EQ(view->data(), values);  // a view, not a copy
   EXPECT_EQ(view->host_data<float>()[5], 6.0f);
+  // 24 bytes are no whole number of 16-byte elements.
+  EXPECT_EQ(view->host_data<long double>(), nullptr);
 }
 
 TEST(CallTensorsTest, SizeMismatchIsRejected) {

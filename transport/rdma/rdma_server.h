@@ -36,7 +36,7 @@ class ServerEndpoint;
 struct ServerShared;
 
 // Tensors up to this size go inside the SEND by default; above it, by RDMA
-// WRITE after a grant. `bench/rdma_calls threshold` measured the inline
+// WRITE after a grant. `bench/rpc_bench threshold` measured the inline
 // round trip faster at every size up to 24 KiB, the most that fits the
 // default 32 KiB receive buffers (docs/design.md has the figures).
 inline constexpr uint64_t kDefaultInlineThreshold = 24 << 10;

@@ -152,7 +152,7 @@ class ServerBuilder {
   ServerBuilder();
   ~ServerBuilder();
 
-  // Listens for gRPC (and, later, RDMA handshakes) on `address`
+  // Listens for gRPC, plain and rdmarpc's own, and RDMA handshakes on `address`
   // ("0.0.0.0:50051"; port 0 picks a free one). `selected_port`, if given,
   // receives the bound port once BuildAndStart() returns.
   ServerBuilder& AddListeningPort(std::string address,

@@ -64,10 +64,12 @@ class TensorView {
   const std::vector<int64_t>& shape() const { return shape_; }
   const TensorBuffer& buffer() const { return buffer_; }
 
-  // Typed host access; nullptr for device memory or a size mismatch.
+  // Typed host access; nullptr for device memory, or when the byte size is
+  // not a whole number of T.
   template <typename T>
   const T* host_data() const {
-    return device().is_host() ? static_cast<const T*>(data()) : nullptr;
+    if (!device().is_host() || size() % sizeof(T) != 0) return nullptr;
+    return static_cast<const T*>(data());
   }
 
  private:
