@@ -52,8 +52,19 @@ struct ClientCall {
 class ClientTransport {
  public:
   virtual ~ClientTransport() = default;
-  virtual TransportKind kind() const = 0;
   virtual void Start(ClientCall call) = 0;
+};
+
+// The server's always-on port as a transport that sets up a faster path
+// (the RDMA handshake) sees it: one request, one answer, serialized bytes.
+class SetupChannel {
+ public:
+  virtual ~SetupChannel() = default;
+  // Calls the runtime's own `method`; blocks up to `timeout`. UNIMPLEMENTED
+  // when the server does not serve it.
+  virtual StatusOr<std::string> UnaryBytes(
+      const std::string& method, const std::string& request,
+      std::chrono::milliseconds timeout) = 0;
 };
 
 // A method as the server knows it: the user's descriptor plus placement.

@@ -11,7 +11,7 @@
 #include <mutex>
 #include <string>
 
-#include "rdmarpc/channel.h"
+#include "rdmarpc/channel_options.h"
 #include "runtime/transport.h"
 
 namespace rdmarpc::grpc_transport {
@@ -22,20 +22,20 @@ struct ChannelLife {
   bool transport_alive = true;  // guarded by mu
 };
 
-class GrpcClientTransport final : public internal::ClientTransport {
+class GrpcClientTransport final : public internal::ClientTransport,
+                                  public internal::SetupChannel {
  public:
   GrpcClientTransport(const std::string& target, const ChannelOptions& options);
   ~GrpcClientTransport() override;
 
-  TransportKind kind() const override { return TransportKind::kGrpc; }
   void Start(internal::ClientCall call) override;
 
   // One plain unary call with serialized bytes each way, for the runtime's
-  // own methods (the RDMA handshake). Blocks up to `timeout`; must not run
-  // on a gRPC callback thread.
+  // own methods (the RDMA handshake). Must not run on a gRPC callback
+  // thread.
   StatusOr<std::string> UnaryBytes(const std::string& method,
                                    const std::string& request,
-                                   std::chrono::milliseconds timeout);
+                                   std::chrono::milliseconds timeout) override;
 
  private:
   std::shared_ptr<grpc::Channel> channel_;

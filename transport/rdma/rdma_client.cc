@@ -611,9 +611,9 @@ RdmaConnectResult Failed(absl::string_view why) {
 
 }  // namespace
 
-RdmaConnectResult RdmaClientTransport::Connect(
-    grpc_transport::GrpcClientTransport* grpc, const ChannelOptions& options,
-    RdmaClientHooks hooks) {
+RdmaConnectResult RdmaClientTransport::Connect(internal::SetupChannel* setup,
+                                               const ChannelOptions& options,
+                                               RdmaClientHooks hooks) {
   ForgetRemovedRdmaDevices();
   auto local = FindRdmaIpv4Address();
   if (!local.ok()) {
@@ -623,8 +623,8 @@ RdmaConnectResult RdmaClientTransport::Connect(
   HelloRequest hello;
   hello.set_version(kWireVersion);
   hello.set_client_id(hooks.client_id);
-  auto answer = grpc->UnaryBytes(kHelloMethod, hello.SerializeAsString(),
-                                 options.rdma_connect_timeout);
+  auto answer = setup->UnaryBytes(kHelloMethod, hello.SerializeAsString(),
+                                  options.rdma_connect_timeout);
   if (!answer.ok()) {
     if (answer.status().code() == StatusCode::kUnimplemented) {
       return NoRdma(

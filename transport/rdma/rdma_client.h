@@ -10,9 +10,11 @@
 // response comes back the same way, into memory this side grants: the
 // context's response placement or a buffer from SetResponseTensorBuffer.
 //
-//   auto rdma = RdmaClientTransport::Connect(grpc.get(), options, hooks);
-//   if (!rdma.ok()) use gRPC, reporting rdma.status().message();
-//   (*rdma)->Start(std::move(call));
+//   RdmaConnectResult rdma = RdmaClientTransport::Connect(setup, options,
+//                                                         hooks);
+//   if (!rdma.transport) use gRPC, reporting rdma.error.message() (and
+//   never probing again when rdma.no_rdma);
+//   rdma.transport->Start(std::move(call));
 //
 // When the connection fails (a completion error, an async event, the
 // server silent for ChannelOptions::rdma_peer_timeout, ...) every call in
@@ -33,9 +35,8 @@
 #include <string>
 #include <thread>
 
-#include "rdmarpc/channel.h"
+#include "rdmarpc/channel_options.h"
 #include "runtime/transport.h"
-#include "transport/grpc/grpc_client.h"
 #include "transport/rdma/connection.h"
 
 namespace rdmarpc::rdma {
@@ -72,16 +73,15 @@ struct RdmaConnectResult {
 
 class RdmaClientTransport final : public internal::ClientTransport {
  public:
-  // Handshake and connect. `grpc` says hello; it must outlive the
-  // transport.
-  static RdmaConnectResult Connect(grpc_transport::GrpcClientTransport* grpc,
+  // Handshake (Hello over `setup`, which must outlive the transport) and
+  // connect.
+  static RdmaConnectResult Connect(internal::SetupChannel* setup,
                                    const ChannelOptions& options,
                                    RdmaClientHooks hooks);
   // Closes the connection and waits until its calls have completed with
   // UNAVAILABLE (not re-sent: the channel is going away).
   ~RdmaClientTransport() override;
 
-  TransportKind kind() const override { return TransportKind::kRdma; }
   void Start(internal::ClientCall call) override;
 
   // OK while the connection is up; else why it went down.

@@ -39,91 +39,11 @@
 #include <vector>
 
 #include "google/protobuf/message.h"
+#include "rdmarpc/channel_options.h"
 #include "rdmarpc/client_context.h"
 #include "rdmarpc/status.h"
 
 namespace rdmarpc {
-
-enum class TransportPolicy {
-  kAuto,  // RDMA when both sides can, else gRPC (the default)
-  kRdma,  // RDMA only: calls fail with UNAVAILABLE when it cannot be used
-  kGrpc,  // gRPC only
-};
-const char* PolicyName(TransportPolicy policy);  // "auto", "rdma", "grpc"
-// Parses "auto", "rdma" or "grpc".
-StatusOr<TransportPolicy> ParsePolicy(std::string_view name);
-
-struct ChannelOptions {
-  TransportPolicy policy = TransportPolicy::kAuto;
-  // Out-of-band tensor bytes on the gRPC transport go in chunks of this size.
-  size_t grpc_chunk_bytes = size_t{1} << 20;
-  // A response whose tensors add up to more than this fails with
-  // RESOURCE_EXHAUSTED instead of allocating landing memory for them.
-  uint64_t max_response_tensor_bytes = uint64_t{64} << 30;
-  // Handshake plus RDMA connect, before 'auto' settles for gRPC (and calls
-  // made meanwhile wait for the outcome).
-  std::chrono::milliseconds rdma_connect_timeout{5000};
-  // Request tensors up to this size go inside the RDMA SEND (when they fit
-  // the server's receive buffers) instead of by RDMA WRITE. 0: the
-  // threshold the server advertises.
-  uint64_t rdma_inline_threshold = 0;
-  // With calls outstanding, a server silent on RDMA this long is taken for
-  // gone (it is pinged after a third of it): the connection is dropped and
-  // its calls re-sent over gRPC. Bounds how long a call waits on a peer
-  // whose RDMA side stopped while its gRPC port answers. 0: never.
-  std::chrono::milliseconds rdma_peer_timeout{3000};
-  // Degraded: the first probe waits this long, then each wait doubles up
-  // to the maximum; every wait is jittered by +-25%.
-  std::chrono::milliseconds rdma_probe_initial_backoff{100};
-  std::chrono::milliseconds rdma_probe_max_backoff{5000};
-
-  // How RDMA reaches tensors in GPU memory (see GpuRdmaMode in
-  // rdmarpc/memory.h); CallStats::gpu_rdma_mode says what each call used.
-  GpuRdmaMode gpu_rdma_mode = GpuRdmaMode::kAuto;
-};
-
-// A channel's RDMA health; see the diagram at the top of this file.
-enum class RdmaHealth {
-  kNotTried,    // no call yet
-  kConnecting,  // first handshake in progress; calls wait for it
-  kReady,       // calls go over RDMA
-  kDegraded,    // calls go over gRPC; a probe retries RDMA in the background
-  kGrpcOnly,    // no RDMA possible (policy grpc, or a side without RDMA)
-};
-// "not-tried", "connecting", "rdma-ready", "degraded", "grpc-only".
-const char* RdmaHealthName(RdmaHealth health);
-
-// How a channel's transports are doing; see Channel::transport_stats().
-struct ChannelTransportStats {
-  RdmaHealth health = RdmaHealth::kNotTried;
-  // "ready: RDMA connection to 198.18.0.1:41234 (rxe0)", "connecting",
-  // "not tried yet", or why RDMA is not used.
-  std::string rdma;
-  // Times new calls moved from RDMA to gRPC or back.
-  uint64_t switches = 0;
-  // What last took RDMA away ("work-completion error", "port error event",
-  // "device removed", "server silent on RDMA", "connect failed", ...) and
-  // its error text; empty while nothing has.
-  std::string last_trigger;
-  std::string last_error;
-  // Probes made while degraded, and the last one's error.
-  uint64_t probes = 0;
-  std::string last_probe_error;
-  // Calls started over each transport (a re-send counts on gRPC too), and
-  // calls re-sent over gRPC after their RDMA connection failed.
-  uint64_t calls_rdma = 0;
-  uint64_t calls_grpc = 0;
-  uint64_t calls_resent = 0;
-  // One line per field, for logs and the example's --verbose.
-  std::string ToString() const;
-  // The RDMA connection's frames, writes, credit-only frames, and how
-  // often a frame or write had to wait for the peer's credits.
-  uint64_t rdma_frames_sent = 0;
-  uint64_t rdma_frames_received = 0;
-  uint64_t rdma_writes_posted = 0;
-  uint64_t rdma_credit_frames_sent = 0;
-  uint64_t rdma_waits_for_credit = 0;
-};
 
 namespace internal {
 class ClientTransport;
