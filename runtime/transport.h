@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "google/protobuf/message.h"
 #include "rdmarpc/client_context.h"
@@ -53,6 +54,50 @@ class ClientTransport {
  public:
   virtual ~ClientTransport() = default;
   virtual void Start(ClientCall call) = 0;
+};
+
+// How a fast transport (RDMA) hands work back to the router that connected
+// it. Both may run on the transport's own threads, never under its locks,
+// and never after its destructor returned.
+struct FastPathHooks {
+  uint64_t client_id = 0;  // names the channel's calls to the server
+  // Carries a call the fast path cannot: one not sent (device memory it
+  // cannot reach, a failed registration, `not_executed`), or one in flight
+  // when the connection failed (call.resend set). `why` is for its stats.
+  std::function<void(ClientCall call, std::string why)> reroute;
+  // The connection failed: `why` and the trigger in a few words. Runs
+  // once, before the connection's calls are rerouted.
+  std::function<void(const Status& why, const std::string& trigger)> lost;
+};
+
+// A fast transport's traffic, for ChannelTransportStats.
+struct FastPathCounters {
+  uint64_t frames_sent = 0;
+  uint64_t frames_received = 0;
+  uint64_t writes_posted = 0;
+  uint64_t credit_frames_sent = 0;
+  uint64_t waits_for_credit = 0;
+};
+
+// A transport connected at run time that may be lost (RDMA).
+class FastTransport : public ClientTransport {
+ public:
+  // OK while the connection is up; else why it went down.
+  virtual Status health() const = 0;
+  // "RDMA connection to 198.18.0.1:41234 (rxe0)", for stats and reasons.
+  virtual const std::string& description() const = 0;
+  virtual FastPathCounters counters() const = 0;
+};
+
+// What a connect attempt came to: a transport, or why not.
+struct FastConnectResult {
+  std::unique_ptr<FastTransport> transport;  // null: not connected
+  Status error;                              // why not
+  // This host or the server has no such path at all (no device, no
+  // handshake method, the feature off, another wire version): trying
+  // again will not help. Any other failure (refused, timed out, an address
+  // in use) may pass.
+  bool no_fast_path = false;
 };
 
 // The server's always-on port as a transport that sets up a faster path

@@ -65,7 +65,7 @@ class ClientEndpoint final
     : public Connection::Handler,
       public std::enable_shared_from_this<ClientEndpoint> {
  public:
-  ClientEndpoint(RdmaClientHooks hooks, uint64_t server_instance,
+  ClientEndpoint(internal::FastPathHooks hooks, uint64_t server_instance,
                  uint64_t inline_threshold, GpuRdmaMode gpu_mode,
                  std::string description)
       : hooks_(std::move(hooks)),
@@ -128,7 +128,7 @@ class ClientEndpoint final
   // ordered before the caller's CUDA stream when it named one.
   static Status AcceptResponse(ClientRecord& r);
 
-  const RdmaClientHooks hooks_;
+  const internal::FastPathHooks hooks_;
   const uint64_t server_instance_;
   const uint64_t inline_threshold_;
   const GpuRdmaMode gpu_mode_;
@@ -601,19 +601,19 @@ void ClientEndpoint::OnClosed(const Status& why) {
 
 namespace {
 
-RdmaConnectResult NoRdma(absl::string_view why) {
-  return {nullptr, absl::FailedPreconditionError(why), /*no_rdma=*/true};
+internal::FastConnectResult NoRdma(absl::string_view why) {
+  return {nullptr, absl::FailedPreconditionError(why), /*no_fast_path=*/true};
 }
 
-RdmaConnectResult Failed(absl::string_view why) {
+internal::FastConnectResult Failed(absl::string_view why) {
   return {nullptr, absl::UnavailableError(why)};
 }
 
 }  // namespace
 
-RdmaConnectResult RdmaClientTransport::Connect(internal::SetupChannel* setup,
-                                               const ChannelOptions& options,
-                                               RdmaClientHooks hooks) {
+internal::FastConnectResult RdmaClientTransport::Connect(
+    internal::SetupChannel* setup, const ChannelOptions& options,
+    internal::FastPathHooks hooks) {
   ForgetRemovedRdmaDevices();
   auto local = FindRdmaIpv4Address();
   if (!local.ok()) {
@@ -775,8 +775,10 @@ void RdmaClientTransport::Start(internal::ClientCall call) {
 
 Status RdmaClientTransport::health() const { return endpoint_->health(); }
 
-Connection::Counters RdmaClientTransport::counters() const {
-  return conn_->counters();
+internal::FastPathCounters RdmaClientTransport::counters() const {
+  Connection::Counters c = conn_->counters();
+  return {c.frames_sent, c.frames_received, c.writes_posted,
+          c.credit_frames_sent, c.waits_for_credit};
 }
 
 }  // namespace rdmarpc::rdma

@@ -10,10 +10,10 @@
 // response comes back the same way, into memory this side grants: the
 // context's response placement or a buffer from SetResponseTensorBuffer.
 //
-//   RdmaConnectResult rdma = RdmaClientTransport::Connect(setup, options,
-//                                                         hooks);
+//   internal::FastConnectResult rdma =
+//       RdmaClientTransport::Connect(setup, options, hooks);
 //   if (!rdma.transport) use gRPC, reporting rdma.error.message() (and
-//   never probing again when rdma.no_rdma);
+//   never probing again when rdma.no_fast_path);
 //   rdma.transport->Start(std::move(call));
 //
 // When the connection fails (a completion error, an async event, the
@@ -45,50 +45,22 @@ class ClientEndpoint;
 
 inline constexpr char kHelloMethod[] = "/rdmarpc.internal.Rdma/Hello";
 
-// How the transport hands work back to its channel. Both may run on the
-// engine thread, never under the transport's locks, and never after the
-// transport's destructor returned.
-struct RdmaClientHooks {
-  uint64_t client_id = 0;  // names this channel's calls to the server
-  // Carries a call RDMA cannot: one not sent (a tensor in device memory, a
-  // failed registration, `not_executed`), or one in flight when the
-  // connection failed (call.resend set). `why` is for the call's stats.
-  std::function<void(internal::ClientCall call, std::string why)> reroute;
-  // The connection failed: `why` and the trigger in a few words. Runs
-  // once, before the connection's calls are rerouted.
-  std::function<void(const Status& why, const std::string& trigger)> lost;
-};
-
-class RdmaClientTransport;
-
-// What a connect attempt came to: a transport, or why not.
-struct RdmaConnectResult {
-  std::unique_ptr<RdmaClientTransport> transport;  // null: not connected
-  Status error;                                    // why not
-  // This host or the server has no RDMA at all (no device, no handshake
-  // method, RDMA off, another wire version): trying again will not help.
-  // Any other failure (refused, timed out, an address in use) may pass.
-  bool no_rdma = false;
-};
-
-class RdmaClientTransport final : public internal::ClientTransport {
+class RdmaClientTransport final : public internal::FastTransport {
  public:
   // Handshake (Hello over `setup`, which must outlive the transport) and
   // connect.
-  static RdmaConnectResult Connect(internal::SetupChannel* setup,
-                                   const ChannelOptions& options,
-                                   RdmaClientHooks hooks);
+  static internal::FastConnectResult Connect(internal::SetupChannel* setup,
+                                             const ChannelOptions& options,
+                                             internal::FastPathHooks hooks);
   // Closes the connection and waits until its calls have completed with
   // UNAVAILABLE (not re-sent: the channel is going away).
   ~RdmaClientTransport() override;
 
   void Start(internal::ClientCall call) override;
 
-  // OK while the connection is up; else why it went down.
-  Status health() const;
-  // "rxe0 198.18.0.1:41234", for CallStats::transport_reason.
-  const std::string& description() const { return description_; }
-  Connection::Counters counters() const;
+  Status health() const override;
+  const std::string& description() const override { return description_; }
+  internal::FastPathCounters counters() const override;
 
  private:
   RdmaClientTransport() = default;

@@ -27,16 +27,12 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <future>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
-#include <thread>
-#include <vector>
 
 #include "google/protobuf/message.h"
 #include "rdmarpc/channel_options.h"
@@ -47,15 +43,8 @@ namespace rdmarpc {
 
 namespace internal {
 class ClientTransport;
-struct ClientCall;
+class TransportRouter;
 }  // namespace internal
-namespace rdma {
-class RdmaClientTransport;
-struct RdmaConnectResult;
-}  // namespace rdma
-namespace grpc_transport {
-class GrpcClientTransport;
-}  // namespace grpc_transport
 
 class Channel {
  public:
@@ -98,39 +87,11 @@ class Channel {
                  const google::protobuf::Message& request,
                  google::protobuf::Message* response,
                  std::function<void(Status)> done, bool done_runs_inline);
-  void Route(internal::ClientCall call);
-  // Sends `call` over gRPC (or fails it under policy rdma); `why` goes in
-  // its stats and, should gRPC fail too, in its status.
-  void SendOverGrpc(internal::ClientCall call, std::string why);
-  // The RDMA thread: the first connect, then probes while degraded.
-  void RdmaLoop();
-  // Runs on the engine thread when `transport`'s connection broke.
-  void OnRdmaLost(const rdma::RdmaClientTransport* transport, const Status& why,
-                  const std::string& trigger);
-  // rdma-ready -> degraded. Requires mu_.
-  void MarkRdmaLostLocked(const Status& why, const std::string& trigger);
-  rdma::RdmaConnectResult ConnectRdma();
-
   std::string target_;
   ChannelOptions options_;
-  std::unique_ptr<grpc_transport::GrpcClientTransport> grpc_;
   std::atomic<uint64_t> next_call_id_{1};
-  const uint64_t client_id_;  // random; names this channel's calls
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  RdmaHealth health_ = RdmaHealth::kNotTried;
-  std::string rdma_reason_;  // why RDMA is not used (degraded, grpc-only)
-  std::shared_ptr<rdma::RdmaClientTransport> rdma_;
-  // Broken transports, destroyed by the RDMA thread.
-  std::vector<std::shared_ptr<rdma::RdmaClientTransport>> retired_;
-  std::vector<internal::ClientCall> waiting_;  // while kConnecting
-  ChannelTransportStats counts_;               // switches, triggers, probes
-  std::atomic<uint64_t> calls_rdma_{0};
-  std::atomic<uint64_t> calls_grpc_{0};
-  std::atomic<uint64_t> calls_resent_{0};
-  bool stopping_ = false;
-  std::thread rdma_thread_;
+  std::unique_ptr<internal::ClientTransport> grpc_;
+  std::unique_ptr<internal::TransportRouter> router_;
 };
 
 // Creates a channel to `target` ("host:port", "[v6]:port", "unix:path").

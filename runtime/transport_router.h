@@ -1,0 +1,97 @@
+// Picks, per call, the transport that carries it: a fast transport
+// connected at run time (RDMA) or the always-available fallback (gRPC),
+// following the channel's policy and the fast path's health. It knows the
+// transports only through runtime/transport.h, so it is tested against
+// fakes (tests/runtime/transport_router_test.cc).
+//
+//   TransportRouter router(options, client_id, grpc.get(),
+//                          [&](FastPathHooks hooks) {
+//                            return rdma::RdmaClientTransport::Connect(
+//                                grpc.get(), channel_options, hooks);
+//                          });
+//   router.Route(std::move(call));   // done runs exactly once
+//
+// Health (docs/design.md has the diagram): the first call starts a
+// background thread that connects; calls wait for the outcome. A
+// connected fast path carries calls until it is lost; then calls go to the
+// fallback, calls in flight come back through the hooks with `resend`
+// set, and the thread probes with exponential backoff and jitter until a
+// connect succeeds. A connect that says there is no fast path at all ends
+// it for the router's life.
+//
+// Ownership: `fallback` is borrowed and must outlive the router; the
+// router owns the fast transports it connects and destroys them on its
+// thread (never inside their own callbacks).
+#ifndef RDMARPC_RUNTIME_TRANSPORT_ROUTER_H_
+#define RDMARPC_RUNTIME_TRANSPORT_ROUTER_H_
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "rdmarpc/channel_options.h"
+#include "runtime/transport.h"
+
+namespace rdmarpc::internal {
+
+class TransportRouter {
+ public:
+  using Connector = std::function<FastConnectResult(FastPathHooks hooks)>;
+
+  TransportRouter(const ChannelOptions& options, uint64_t client_id,
+                  ClientTransport* fallback, Connector connect);
+  // Stops probing; calls still on the fast path fail with UNAVAILABLE (not
+  // re-sent: the channel is going away).
+  ~TransportRouter();
+  TransportRouter(const TransportRouter&) = delete;
+  TransportRouter& operator=(const TransportRouter&) = delete;
+
+  // Hands `call` to the transport the policy and the health pick.
+  void Route(ClientCall call);
+
+  ChannelTransportStats stats();
+
+ private:
+  // Sends `call` over the fallback (or fails it under policy rdma); `why`
+  // goes in its stats and, should the fallback fail too, in its status.
+  void SendOverFallback(ClientCall call, std::string why);
+  // The background thread: the first connect, then probes while degraded.
+  void Loop();
+  FastConnectResult Connect();
+  // Runs on the transport's thread when `transport`'s connection broke.
+  void OnLost(const FastTransport* transport, const Status& why,
+              const std::string& trigger);
+  // rdma-ready -> degraded. Requires mu_.
+  void MarkLostLocked(const Status& why, const std::string& trigger);
+
+  const ChannelOptions options_;
+  const uint64_t client_id_;
+  ClientTransport* const fallback_;
+  const Connector connect_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  RdmaHealth health_ = RdmaHealth::kNotTried;
+  std::string reason_;  // why the fast path is not used (degraded, grpc-only)
+  std::shared_ptr<FastTransport> fast_;
+  // Lost transports, destroyed by the background thread.
+  std::vector<std::shared_ptr<FastTransport>> retired_;
+  std::vector<ClientCall> waiting_;  // while kConnecting
+  ChannelTransportStats counts_;     // switches, triggers, probes
+  std::atomic<uint64_t> calls_fast_{0};
+  std::atomic<uint64_t> calls_fallback_{0};
+  std::atomic<uint64_t> calls_resent_{0};
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+}  // namespace rdmarpc::internal
+
+#endif  // RDMARPC_RUNTIME_TRANSPORT_ROUTER_H_

@@ -1,0 +1,335 @@
+// TransportRouter against fake transports: routing by policy and health,
+// degrading on a failed connect or a lost connection, probing back,
+// re-sending the calls in flight exactly once, and running every callback
+// exactly once. No network: the fakes complete calls when told to.
+#include "runtime/transport_router.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "rdmarpc/client_context.h"
+
+namespace rdmarpc::internal {
+namespace {
+
+using namespace std::chrono_literals;
+
+// Holds the calls started on it until the test completes them.
+class HeldCalls {
+ public:
+  void Hold(ClientCall call) {
+    std::lock_guard<std::mutex> lock(mu_);
+    calls_.push_back(std::move(call));
+  }
+  size_t size() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return calls_.size();
+  }
+  std::vector<ClientCall> TakeAll() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<ClientCall> out(std::make_move_iterator(calls_.begin()),
+                                std::make_move_iterator(calls_.end()));
+    calls_.clear();
+    return out;
+  }
+
+ private:
+  std::mutex mu_;
+  std::deque<ClientCall> calls_;
+};
+
+// The fallback: completes every call at once with OK, and remembers it.
+class FakeFallback final : public ClientTransport {
+ public:
+  void Start(ClientCall call) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      started_.push_back({call.call_id, call.resend.has_value()});
+    }
+    call.done(absl::OkStatus());
+  }
+  // (call id, was a re-send) per call started.
+  std::vector<std::pair<uint64_t, bool>> started() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return started_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::pair<uint64_t, bool>> started_;
+};
+
+// A fast transport that holds its calls; Lose() breaks it the way the RDMA
+// transport does: `lost`, then every held call back with `resend` set.
+class FakeFast final : public FastTransport {
+ public:
+  explicit FakeFast(FastPathHooks hooks) : hooks_(std::move(hooks)) {}
+  // Like the RDMA transport's, waits until a loss has handed every call on.
+  ~FakeFast() override {
+    std::lock_guard<std::mutex> losing(lose_mu_);
+    for (ClientCall& c : held_.TakeAll()) {
+      c.done(absl::UnavailableError("the channel was destroyed"));
+    }
+  }
+  void Start(ClientCall call) override { held_.Hold(std::move(call)); }
+  Status health() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return health_;
+  }
+  const std::string& description() const override { return description_; }
+  FastPathCounters counters() const override { return {}; }
+
+  void Lose(const std::string& trigger) {
+    std::lock_guard<std::mutex> losing(lose_mu_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      health_ = absl::UnavailableError("fake connection broke");
+    }
+    hooks_.lost(health_, trigger);
+    for (ClientCall& c : held_.TakeAll()) {
+      c.resend = ClientCall::Resend{hooks_.client_id, 1, {}};
+      hooks_.reroute(std::move(c), "fake connection broke");
+    }
+  }
+  void CompleteAll() {
+    for (ClientCall& c : held_.TakeAll()) c.done(absl::OkStatus());
+  }
+  HeldCalls& held() { return held_; }
+
+ private:
+  FastPathHooks hooks_;
+  std::mutex lose_mu_;
+  mutable std::mutex mu_;
+  Status health_;
+  HeldCalls held_;
+  std::string description_ = "fake fast path";
+};
+
+// Connect outcomes the test scripts, one per attempt; the last repeats.
+class ScriptedConnector {
+ public:
+  enum class Outcome { kConnect, kFail, kNoFastPath };
+  explicit ScriptedConnector(std::vector<Outcome> script)
+      : script_(std::move(script)) {}
+
+  FastConnectResult operator()(FastPathHooks hooks) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Outcome o = script_[std::min(attempts_, script_.size() - 1)];
+    ++attempts_;
+    switch (o) {
+      case Outcome::kConnect: {
+        auto fast = std::make_unique<FakeFast>(std::move(hooks));
+        last_ = fast.get();
+        return {std::move(fast), absl::OkStatus()};
+      }
+      case Outcome::kFail:
+        return {nullptr, absl::UnavailableError("fake connect refused")};
+      case Outcome::kNoFastPath:
+        return {nullptr, absl::FailedPreconditionError("fake: no device"),
+                /*no_fast_path=*/true};
+    }
+    return {};
+  }
+  FakeFast* last() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return last_;
+  }
+  size_t attempts() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return attempts_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<Outcome> script_;
+  size_t attempts_ = 0;
+  FakeFast* last_ = nullptr;
+};
+using Outcome = ScriptedConnector::Outcome;
+
+// One call's completions.
+struct Done {
+  std::atomic<int> runs{0};
+  std::optional<Status> status;
+};
+
+class TransportRouterTest : public ::testing::Test {
+ protected:
+  ChannelOptions Options(TransportPolicy policy = TransportPolicy::kAuto) {
+    ChannelOptions o;
+    o.policy = policy;
+    o.rdma_probe_initial_backoff = 1ms;
+    o.rdma_probe_max_backoff = 4ms;
+    return o;
+  }
+
+  std::unique_ptr<TransportRouter> Router(ChannelOptions options,
+                                          std::vector<Outcome> script) {
+    connector_ = std::make_shared<ScriptedConnector>(std::move(script));
+    return std::make_unique<TransportRouter>(
+        options, /*client_id=*/42, &fallback_,
+        [c = connector_](FastPathHooks hooks) { return (*c)(hooks); });
+  }
+
+  // Routes call `id`; its completion lands in dones_[id].
+  void Route(TransportRouter& router, uint64_t id) {
+    contexts_.push_back(std::make_unique<ClientContext>());
+    ClientCall call;
+    call.method = "/test.Svc/Run";
+    call.ctx = contexts_.back().get();
+    call.call_id = id;
+    Done* done = &dones_[id];
+    call.done = [done](Status s) {
+      done->status = s;
+      ++done->runs;
+    };
+    router.Route(std::move(call));
+  }
+
+  static bool WaitFor(TransportRouter& router, RdmaHealth health) {
+    auto until = std::chrono::steady_clock::now() + 10s;
+    while (router.stats().health != health) {
+      if (std::chrono::steady_clock::now() > until) return false;
+      std::this_thread::sleep_for(1ms);
+    }
+    return true;
+  }
+
+  FakeFallback fallback_;
+  std::shared_ptr<ScriptedConnector> connector_;
+  std::vector<std::unique_ptr<ClientContext>> contexts_;
+  Done dones_[16];
+};
+
+TEST_F(TransportRouterTest, ConnectedFastPathCarriesCalls) {
+  auto router = Router(Options(), {Outcome::kConnect});
+  Route(*router, 1);
+  ASSERT_TRUE(WaitFor(*router, RdmaHealth::kReady));
+  // The first call waited for the connect, then went fast.
+  auto until = std::chrono::steady_clock::now() + 10s;
+  while (connector_->last()->held().size() < 1 &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(1ms);
+  }
+  Route(*router, 2);
+  EXPECT_EQ(connector_->last()->held().size(), 2u);
+  connector_->last()->CompleteAll();
+  EXPECT_EQ(dones_[1].runs.load(), 1);
+  EXPECT_EQ(dones_[2].runs.load(), 1);
+  EXPECT_TRUE(fallback_.started().empty());
+  ChannelTransportStats stats = router->stats();
+  EXPECT_EQ(stats.calls_rdma, 2u);
+  EXPECT_EQ(stats.rdma, "ready: fake fast path");
+}
+
+TEST_F(TransportRouterTest, NoFastPathMeansFallbackForGoodWithoutProbes) {
+  auto router = Router(Options(), {Outcome::kNoFastPath, Outcome::kConnect});
+  Route(*router, 1);
+  ASSERT_TRUE(WaitFor(*router, RdmaHealth::kGrpcOnly));
+  Route(*router, 2);
+  std::this_thread::sleep_for(20ms);  // a probe, were there one, would run
+  EXPECT_EQ(connector_->attempts(), 1u);
+  EXPECT_EQ(dones_[1].runs.load(), 1);
+  EXPECT_EQ(dones_[2].runs.load(), 1);
+  EXPECT_EQ(fallback_.started().size(), 2u);
+  EXPECT_EQ(router->stats().probes, 0u);
+  EXPECT_EQ(router->stats().rdma, "fake: no device");
+}
+
+TEST_F(TransportRouterTest, FailedConnectDegradesThenProbesBack) {
+  auto router =
+      Router(Options(), {Outcome::kFail, Outcome::kFail, Outcome::kConnect});
+  Route(*router, 1);
+  ASSERT_TRUE(WaitFor(*router, RdmaHealth::kReady));
+  EXPECT_EQ(dones_[1].runs.load(), 1);
+  ASSERT_EQ(fallback_.started().size(), 1u);  // call 1, during degraded
+  ChannelTransportStats stats = router->stats();
+  EXPECT_EQ(stats.last_trigger, "connect failed");
+  EXPECT_EQ(stats.probes, 2u);  // one failed, one connected
+  EXPECT_EQ(stats.last_probe_error, "fake connect refused");
+  EXPECT_EQ(stats.switches, 1u);
+  Route(*router, 2);
+  EXPECT_EQ(connector_->last()->held().size(), 1u);
+}
+
+TEST_F(TransportRouterTest, LostConnectionResendsEachCallInFlightOnce) {
+  auto router = Router(Options(), {Outcome::kConnect, Outcome::kFail});
+  Route(*router, 1);
+  ASSERT_TRUE(WaitFor(*router, RdmaHealth::kReady));
+  Route(*router, 2);
+  Route(*router, 3);
+  FakeFast* fast = connector_->last();
+  auto until = std::chrono::steady_clock::now() + 10s;
+  while (fast->held().size() < 3 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(1ms);
+  }
+  ASSERT_EQ(fast->held().size(), 3u);
+  fast->Lose("work-completion error");
+  for (uint64_t id = 1; id <= 3; ++id) {
+    EXPECT_EQ(dones_[id].runs.load(), 1) << id;
+    EXPECT_TRUE(dones_[id].status->ok()) << id;
+  }
+  std::vector<std::pair<uint64_t, bool>> started = fallback_.started();
+  ASSERT_EQ(started.size(), 3u);
+  for (const auto& [id, resent] : started) EXPECT_TRUE(resent) << id;
+  ChannelTransportStats stats = router->stats();
+  EXPECT_EQ(stats.health, RdmaHealth::kDegraded);
+  EXPECT_EQ(stats.last_trigger, "work-completion error");
+  EXPECT_EQ(stats.calls_resent, 3u);
+  EXPECT_EQ(stats.switches, 1u);
+  // New calls go to the fallback while degraded, as first sends.
+  Route(*router, 4);
+  EXPECT_EQ(dones_[4].runs.load(), 1);
+  EXPECT_FALSE(fallback_.started().back().second);
+  EXPECT_NE(contexts_.back()->stats().transport_reason.find("being probed"),
+            std::string::npos);
+}
+
+TEST_F(TransportRouterTest, PolicyRdmaFailsInsteadOfFallingBack) {
+  auto router = Router(Options(TransportPolicy::kRdma), {Outcome::kConnect});
+  Route(*router, 1);
+  ASSERT_TRUE(WaitFor(*router, RdmaHealth::kReady));
+  FakeFast* fast = connector_->last();
+  auto until = std::chrono::steady_clock::now() + 10s;
+  while (fast->held().size() < 1 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(1ms);
+  }
+  fast->Lose("port error");
+  ASSERT_EQ(dones_[1].runs.load(), 1);
+  EXPECT_EQ(dones_[1].status->code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(dones_[1].status->message().find("may have run"), std::string::npos)
+      << *dones_[1].status;
+  EXPECT_TRUE(fallback_.started().empty());
+}
+
+TEST_F(TransportRouterTest, PolicyGrpcNeverConnects) {
+  auto router = Router(Options(TransportPolicy::kGrpc), {Outcome::kConnect});
+  Route(*router, 1);
+  EXPECT_EQ(dones_[1].runs.load(), 1);
+  EXPECT_EQ(connector_->attempts(), 0u);
+  EXPECT_EQ(router->stats().health, RdmaHealth::kGrpcOnly);
+}
+
+TEST_F(TransportRouterTest, DestroyingTheRouterCompletesHeldCallsOnce) {
+  auto router = Router(Options(), {Outcome::kConnect});
+  Route(*router, 1);
+  ASSERT_TRUE(WaitFor(*router, RdmaHealth::kReady));
+  Route(*router, 2);
+  router.reset();
+  for (uint64_t id = 1; id <= 2; ++id) {
+    EXPECT_EQ(dones_[id].runs.load(), 1) << id;
+    EXPECT_EQ(dones_[id].status->code(), absl::StatusCode::kUnavailable);
+  }
+}
+
+}  // namespace
+}  // namespace rdmarpc::internal
