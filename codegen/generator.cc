@@ -94,6 +94,7 @@ bool CheckNames(const ServiceDescriptor& service, std::string* error) {
   std::map<std::string, std::string> owners = {
       {"Service", "the generated class Service"},
       {"Stub", "the generated class Stub"},
+      {"StubInterface", "the generated class StubInterface"},
       {"NewStub", "the generated function NewStub"},
       {"kServiceName", "the generated constant kServiceName"},
       {"methods", "the inherited rdmarpc::Service::methods()"},
@@ -260,41 +261,58 @@ void PrintServiceDeclaration(const ServiceDescriptor& service, Printer* p) {
       "  // with a callback `done` that runs exactly once, and\n"
       "  // MethodFuture. The context, request, response and bound\n"
       "  // tensors are borrowed until the call completes (see\n"
-      "  // rdmarpc::Channel::CallAsync).\n"
-      "  class Stub final {\n"
+      "  // rdmarpc::ChannelInterface). Client code that takes a\n"
+      "  // StubInterface can be tested with a mock of it.\n"
+      "  class StubInterface {\n"
       "   public:\n"
-      "    explicit Stub(std::shared_ptr<::rdmarpc::Channel> channel);\n");
-  p->Indent();
-  p->Indent();
-  for (int i = 0; i < service.method_count(); ++i) {
-    const MethodDescriptor& method = *service.method(i);
-    p->Print("\n");
-    PrintLeadingComment(method, p);
-    p->Print(MethodVars(method),
-             "::rdmarpc::Status $method$(\n"
-             "    ::rdmarpc::ClientContext* context,\n"
-             "    const $request$& request,\n"
-             "    $response$* response);\n"
-             "void $method$(\n"
-             "    ::rdmarpc::ClientContext* context,\n"
-             "    const $request$& request,\n"
-             "    $response$* response,\n"
-             "    std::function<void(::rdmarpc::Status)> done);\n"
-             "std::future<::rdmarpc::Status> $method$Future(\n"
-             "    ::rdmarpc::ClientContext* context,\n"
-             "    const $request$& request,\n"
-             "    $response$* response);\n");
-  }
-  p->Outdent();
-  p->Outdent();
+      "    virtual ~StubInterface() = default;\n");
+  // `suffix` ends each declaration: " = 0;" in the interface,
+  // " override;" in the Stub.
+  auto declare_methods = [&](const char* virtual_prefix, const char* suffix) {
+    p->Indent();
+    p->Indent();
+    for (int i = 0; i < service.method_count(); ++i) {
+      const MethodDescriptor& method = *service.method(i);
+      Vars vars = MethodVars(method);
+      vars["virtual"] = virtual_prefix;
+      vars["suffix"] = suffix;
+      p->Print("\n");
+      PrintLeadingComment(method, p);
+      p->Print(vars,
+               "$virtual$::rdmarpc::Status $method$(\n"
+               "    ::rdmarpc::ClientContext* context,\n"
+               "    const $request$& request,\n"
+               "    $response$* response)$suffix$\n"
+               "$virtual$void $method$(\n"
+               "    ::rdmarpc::ClientContext* context,\n"
+               "    const $request$& request,\n"
+               "    $response$* response,\n"
+               "    std::function<void(::rdmarpc::Status)> done)$suffix$\n"
+               "$virtual$std::future<::rdmarpc::Status> $method$Future(\n"
+               "    ::rdmarpc::ClientContext* context,\n"
+               "    const $request$& request,\n"
+               "    $response$* response)$suffix$\n");
+    }
+    p->Outdent();
+    p->Outdent();
+  };
+  declare_methods("virtual ", " = 0;");
+  p->Print(
+      "  };\n"
+      "\n"
+      "  class Stub final : public StubInterface {\n"
+      "   public:\n"
+      "    explicit Stub(\n"
+      "        std::shared_ptr<::rdmarpc::ChannelInterface> channel);\n");
+  declare_methods("", " override;");
   p->Print(
       "\n"
       "   private:\n"
-      "    std::shared_ptr<::rdmarpc::Channel> channel_;\n"
+      "    std::shared_ptr<::rdmarpc::ChannelInterface> channel_;\n"
       "  };\n"
       "\n"
       "  static std::unique_ptr<Stub> NewStub(\n"
-      "      std::shared_ptr<::rdmarpc::Channel> channel);\n"
+      "      std::shared_ptr<::rdmarpc::ChannelInterface> channel);\n"
       "};\n");
 }
 
@@ -333,7 +351,7 @@ void PrintServiceDefinition(const ServiceDescriptor& service, Printer* p) {
   p->Print(vars,
            "\n"
            "$service$::Stub::Stub(\n"
-           "    std::shared_ptr<::rdmarpc::Channel> channel)\n"
+           "    std::shared_ptr<::rdmarpc::ChannelInterface> channel)\n"
            "    : channel_(std::move(channel)) {}\n");
   for (int i = 0; i < service.method_count(); ++i) {
     p->Print(MethodVars(*service.method(i)),
@@ -366,7 +384,7 @@ void PrintServiceDefinition(const ServiceDescriptor& service, Printer* p) {
   p->Print(vars,
            "\n"
            "std::unique_ptr<$service$::Stub> $service$::NewStub(\n"
-           "    std::shared_ptr<::rdmarpc::Channel> channel) {\n"
+           "    std::shared_ptr<::rdmarpc::ChannelInterface> channel) {\n"
            "  return std::make_unique<Stub>(std::move(channel));\n"
            "}\n");
 }

@@ -1,6 +1,7 @@
 #include "runtime/call_log.h"
 
 #include "absl/strings/str_cat.h"
+#include "runtime/access.h"
 #include "runtime/tensor_walk.h"
 
 namespace rdmarpc::internal {
@@ -46,8 +47,8 @@ void AnswerWithCopy(const Status& status, const Message* response,
   if (!walked.ok()) return done(walked, nullptr);
   target->tensors.Clear();
   for (size_t i = 0; i < from.size() && i < to.size(); ++i) {
-    if (const TensorBuffer* b = source.Find(*from[i])) {
-      target->tensors.Bind(*to[i], *b);
+    if (const TensorBuffer* b = CallTensorsAccess::Find(source, *from[i])) {
+      CallTensorsAccess::Bind(&target->tensors, *to[i], *b);
     }
   }
   done(absl::OkStatus(), std::move(copy));

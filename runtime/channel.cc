@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/access.h"
 #include "runtime/transport.h"
 #include "runtime/transport_router.h"
 #include "transport/grpc/grpc_client.h"
@@ -60,12 +61,12 @@ void Channel::StartCall(std::string_view method, ClientContext* ctx,
                         google::protobuf::Message* response,
                         std::function<void(Status)> done,
                         bool done_runs_inline) {
-  if (!ctx->MarkStarted()) {
+  if (!internal::ClientContextAccess::MarkStarted(ctx)) {
     done(absl::FailedPreconditionError(
         "ClientContext used for a second call; use one per call"));
     return;
   }
-  CallStats* stats = ctx->mutable_stats();
+  CallStats* stats = internal::ClientContextAccess::mutable_stats(ctx);
   stats->call_id = next_call_id_.fetch_add(1);
   if (ctx->IsCancelled()) {
     done(absl::CancelledError("call cancelled before start"));

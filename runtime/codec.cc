@@ -1,6 +1,7 @@
 #include "runtime/codec.h"
 
 #include "absl/strings/str_cat.h"
+#include "runtime/access.h"
 #include "runtime/cuda_support.h"
 #include "runtime/tensor_walk.h"
 
@@ -47,7 +48,7 @@ StatusOr<OutgoingPlan> PlanOutgoing(const google::protobuf::Message& msg,
     RDMARPC_ASSIGN_OR_RETURN(uint64_t expected, ExpectedSize(i, t));
     OutgoingTensor out;
     out.size = expected;
-    if (const TensorBuffer* b = tensors.Find(t)) {
+    if (const TensorBuffer* b = CallTensorsAccess::Find(tensors, t)) {
       if (!t.data().empty() || b->size() != expected) {
         return absl::InvalidArgumentError(absl::StrCat(
             Describe(i, t),
@@ -178,7 +179,7 @@ StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
     t.set_device_type(placement_of_bytes.type);
     t.set_device_index(placement_of_bytes.index);
     t.set_byte_size(p.size);
-    tensors->Bind(t, std::move(bytes));
+    CallTensorsAccess::Bind(tensors, t, std::move(bytes));
   }
   return result;
 }
@@ -193,7 +194,7 @@ StatusOr<std::unique_ptr<google::protobuf::Message>> InlineTensors(
   std::vector<Tensor*> copy_fields;
   RDMARPC_RETURN_IF_ERROR(CollectMutableTensors(copy.get(), &copy_fields));
   for (size_t i = 0; i < fields.size(); ++i) {
-    const TensorBuffer* b = tensors.Find(*fields[i]);
+    const TensorBuffer* b = CallTensorsAccess::Find(tensors, *fields[i]);
     if (b == nullptr) continue;  // already inline
     std::string* data = copy_fields[i]->mutable_data();
     data->resize(b->size());

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/access.h"
 
 namespace rdmarpc::internal {
 
@@ -192,7 +193,7 @@ ChannelTransportStats TransportRouter::stats() {
 }
 
 void TransportRouter::SendOverFallback(ClientCall call, std::string why) {
-  CallStats* stats = call.ctx->mutable_stats();
+  CallStats* stats = ClientContextAccess::mutable_stats(call.ctx);
   const bool resend = call.resend.has_value();
   if (options_.policy == TransportPolicy::kRdma) {
     stats->transport_reason = why;
@@ -260,7 +261,8 @@ void TransportRouter::Route(ClientCall call) {
   }
   if (!fast) return SendOverFallback(std::move(call), std::move(why));
   ++calls_fast_;
-  call.ctx->mutable_stats()->transport = TransportKind::kRdma;
+  ClientContextAccess::mutable_stats(call.ctx)->transport =
+      TransportKind::kRdma;
   fast->Start(std::move(call));
 }
 

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "plain.rdmarpc.pb.h"
 #include "rdmarpc/rdmarpc.h"
@@ -360,6 +361,92 @@ TEST(GeneratedServiceTest, RegistersEveryMethodWithItsPathAndTypes) {
   EXPECT_EQ(methods[1].response_prototype->GetDescriptor()->full_name(),
             "rdmarpc_test.outer.inner.Batch");
   EXPECT_EQ(::PlainEcho::Service().methods().at(0).path, "/PlainEcho/Echo");
+}
+
+// Client code under test: takes the generated StubInterface, so a test can
+// hand it a mock instead of a stub connected to a server.
+std::string Shout(PlainEcho::StubInterface* stub, const std::string& text) {
+  rdmarpc::ClientContext ctx;
+  PlainRequest req;
+  req.set_text(text);
+  PlainResponse resp;
+  rdmarpc::Status s = stub->Echo(&ctx, req, &resp);
+  return s.ok() ? resp.text() + "!" : std::string(s.message());
+}
+
+class MockPlainEchoStub : public PlainEcho::StubInterface {
+ public:
+  MOCK_METHOD(rdmarpc::Status, Echo,
+              (rdmarpc::ClientContext*, const PlainRequest&, PlainResponse*),
+              (override));
+  MOCK_METHOD(void, Echo,
+              (rdmarpc::ClientContext*, const PlainRequest&, PlainResponse*,
+               std::function<void(rdmarpc::Status)>),
+              (override));
+  MOCK_METHOD(std::future<rdmarpc::Status>, EchoFuture,
+              (rdmarpc::ClientContext*, const PlainRequest&, PlainResponse*),
+              (override));
+};
+
+TEST(MockedStubTest, ClientCodeRunsAgainstAMockedStubInterface) {
+  MockPlainEchoStub stub;
+  EXPECT_CALL(stub, Echo(testing::_, testing::_, testing::_))
+      .WillOnce([](rdmarpc::ClientContext*, const PlainRequest& req,
+                   PlainResponse* resp) {
+        resp->set_text(req.text() + req.text());
+        return absl::OkStatus();
+      })
+      .WillOnce(testing::Return(absl::UnavailableError("no server")));
+  EXPECT_EQ(Shout(&stub, "hey"), "heyhey!");
+  EXPECT_EQ(Shout(&stub, "hey"), "no server");
+}
+
+// A channel that answers every call itself, recording the method.
+class FakeChannel final : public rdmarpc::ChannelInterface {
+ public:
+  void CallAsync(std::string_view method, rdmarpc::ClientContext*,
+                 const google::protobuf::Message& request,
+                 google::protobuf::Message* response,
+                 std::function<void(rdmarpc::Status)> done) override {
+    methods.emplace_back(method);
+    const auto& req = static_cast<const PlainRequest&>(request);
+    static_cast<PlainResponse*>(response)->set_text("fake:" + req.text());
+    done(absl::OkStatus());
+  }
+  rdmarpc::Status Call(std::string_view method, rdmarpc::ClientContext* ctx,
+                       const google::protobuf::Message& request,
+                       google::protobuf::Message* response) override {
+    return CallFuture(method, ctx, request, response).get();
+  }
+  std::future<rdmarpc::Status> CallFuture(
+      std::string_view method, rdmarpc::ClientContext* ctx,
+      const google::protobuf::Message& request,
+      google::protobuf::Message* response) override {
+    std::promise<rdmarpc::Status> done;
+    CallAsync(method, ctx, request, response,
+              [&done](rdmarpc::Status s) { done.set_value(std::move(s)); });
+    return done.get_future();
+  }
+  std::vector<std::string> methods;
+};
+
+TEST(MockedStubTest, GeneratedStubRunsOverAFakeChannel) {
+  auto channel = std::make_shared<FakeChannel>();
+  auto stub = PlainEcho::NewStub(channel);
+  EXPECT_EQ(Shout(stub.get(), "hi"), "fake:hi!");
+  rdmarpc::ClientContext ctx;
+  PlainRequest req;
+  req.set_text("cb");
+  PlainResponse resp;
+  int runs = 0;
+  stub->Echo(&ctx, req, &resp, [&runs](rdmarpc::Status s) {
+    EXPECT_TRUE(s.ok());
+    ++runs;
+  });
+  EXPECT_EQ(runs, 1);
+  EXPECT_EQ(resp.text(), "fake:cb");
+  EXPECT_EQ(channel->methods,
+            (std::vector<std::string>{"/PlainEcho/Echo", "/PlainEcho/Echo"}));
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include "runtime/access.h"
 #include "runtime/tensor_walk.h"
 #include "runtime_test.pb.h"
 
@@ -157,7 +158,7 @@ TEST(AcceptIncomingTest, RejectsWhatAPeerMustNotSend) {
     auto r = AcceptIncoming(&c.msg, c.parts, Device::Host(), c.budget, nullptr,
                             &tensors);
     EXPECT_EQ(r.status().code(), c.code) << r.status();
-    EXPECT_EQ(tensors.Find(c.msg.first()), nullptr);
+    EXPECT_EQ(CallTensorsAccess::Find(tensors, c.msg.first()), nullptr);
   }
 }
 

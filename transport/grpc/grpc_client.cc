@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/access.h"
 #include "runtime/codec.h"
 #include "runtime/completion.h"
 #include "transport/grpc/lean_codec.h"
@@ -64,7 +65,7 @@ class ClientCallReactor final
           "request message cannot be serialized (over protobuf's 2 GiB "
           "limit without its tensors?)"));
     }
-    CallStats* stats = ctx->mutable_stats();
+    CallStats* stats = internal::ClientContextAccess::mutable_stats(ctx);
     stats->tensor_bytes_sent = plan->total_bytes;
     for (const auto& t : plan->tensors) {
       if (!t.out_of_band) stats->cpu_copied_bytes += t.size;  // serialized
@@ -87,7 +88,7 @@ class ClientCallReactor final
     // The metadata goes out with the first message, in one batch.
     gctx_.set_initial_metadata_corked(true);
     canceller_ = std::make_shared<GrpcCanceller>(&gctx_);
-    if (!ctx->AttachCanceller(canceller_)) {
+    if (!internal::ClientContextAccess::AttachCanceller(ctx, canceller_)) {
       return FailBeforeStart(
           absl::CancelledError("call cancelled before start"));
     }
@@ -121,7 +122,7 @@ class ClientCallReactor final
 
   void OnDone(const grpc::Status& grpc_status) override {
     canceller_->Detach();
-    call_.ctx->DetachCanceller();
+    internal::ClientContextAccess::DetachCanceller(call_.ctx);
     Status status;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -133,7 +134,7 @@ class ClientCallReactor final
         call_.ctx->IsCancelled()) {
       status = absl::CancelledError("call cancelled by the client");
     }
-    CallStats* stats = call_.ctx->mutable_stats();
+    CallStats* stats = internal::ClientContextAccess::mutable_stats(call_.ctx);
     stats->cpu_copied_bytes += sender_->cpu_copied_bytes() +
                                receiver_.cpu_copied_bytes() + accept_copied_;
     stats->tensor_bytes_received = received_bytes_;

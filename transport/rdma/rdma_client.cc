@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/access.h"
 #include "runtime/completion.h"
 #include "runtime/fault_injection.h"
 #include "transport/rdma/connection_setup.h"
@@ -238,7 +239,7 @@ void ClientEndpoint::Start(internal::ClientCall call) {
                                           : ClientRecord::Stage::kAwaitGrant;
   record->deadline = ctx->deadline();
   record->sent_at = std::chrono::steady_clock::now();
-  CallStats* stats = ctx->mutable_stats();
+  CallStats* stats = internal::ClientContextAccess::mutable_stats(ctx);
   stats->transport = TransportKind::kRdma;
   stats->tensor_bytes_sent = record->out.tensor_bytes;
   stats->gpu_rdma_mode = record->out.gpu_mode;
@@ -246,8 +247,8 @@ void ClientEndpoint::Start(internal::ClientCall call) {
   uint64_t call_id = call.call_id;
   std::vector<std::span<const uint8_t>> inline_parts = record->out.inline_parts;
   record->call = std::move(call);
-  if (!ctx->AttachCanceller(
-          std::make_shared<RdmaCanceller>(shared_from_this(), call_id))) {
+  if (!internal::ClientContextAccess::AttachCanceller(
+          ctx, std::make_shared<RdmaCanceller>(shared_from_this(), call_id))) {
     auto done = std::move(record->call.done);
     return done(absl::CancelledError("call cancelled before start"));
   }
@@ -367,7 +368,7 @@ void ClientEndpoint::Complete(std::vector<Outcome> outcomes) {
   for (Outcome& o : outcomes) {
     ClientRecord& r = *o.record;
     ClientContext* ctx = r.call.ctx;
-    ctx->DetachCanceller();
+    internal::ClientContextAccess::DetachCanceller(ctx);
     if (o.next == Outcome::Next::kReroute) {
       hooks_.reroute(std::move(r.call), absl::StrCat("RDMA could not send it (",
                                                      o.status.message(), ")"));
@@ -383,7 +384,7 @@ void ClientEndpoint::Complete(std::vector<Outcome> outcomes) {
                        o.status.message(), "); re-sent with the same call id"));
       continue;
     }
-    CallStats* stats = ctx->mutable_stats();
+    CallStats* stats = internal::ClientContextAccess::mutable_stats(ctx);
     stats->tensor_bytes_received = r.received_bytes;
     stats->cpu_copied_bytes += r.out.cpu_copied_bytes + r.response_copied;
     if (r.call.done_runs_inline) {
@@ -510,8 +511,10 @@ Status ClientEndpoint::OnResponse(const FrameView& frame,
   }
   r.in = *std::move(in);
   if (!r.in.gpu_mode.empty()) {
-    ctx->mutable_stats()->gpu_rdma_mode = r.in.gpu_mode;
-    ctx->mutable_stats()->gpu_rdma_reason = r.in.gpu_reason;
+    internal::ClientContextAccess::mutable_stats(ctx)->gpu_rdma_mode =
+        r.in.gpu_mode;
+    internal::ClientContextAccess::mutable_stats(ctx)->gpu_rdma_reason =
+        r.in.gpu_reason;
   }
   if (r.in.landing.empty()) {
     FinishLocked(head.call_id(), AcceptResponse(r), outcomes);
@@ -769,7 +772,8 @@ void RdmaClientTransport::Monitor() {
 }
 
 void RdmaClientTransport::Start(internal::ClientCall call) {
-  call.ctx->mutable_stats()->transport_reason = description_;
+  internal::ClientContextAccess::mutable_stats(call.ctx)->transport_reason =
+      description_;
   endpoint_->Start(std::move(call));
 }
 

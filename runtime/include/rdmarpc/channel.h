@@ -35,6 +35,7 @@
 #include <string_view>
 
 #include "google/protobuf/message.h"
+#include "rdmarpc/channel_interface.h"
 #include "rdmarpc/channel_options.h"
 #include "rdmarpc/client_context.h"
 #include "rdmarpc/status.h"
@@ -46,9 +47,9 @@ class ClientTransport;
 class TransportRouter;
 }  // namespace internal
 
-class Channel {
+class Channel final : public ChannelInterface {
  public:
-  ~Channel();
+  ~Channel() override;
   Channel(const Channel&) = delete;
   Channel& operator=(const Channel&) = delete;
 
@@ -62,12 +63,12 @@ class Channel {
   void CallAsync(std::string_view method, ClientContext* ctx,
                  const google::protobuf::Message& request,
                  google::protobuf::Message* response,
-                 std::function<void(Status)> done);
+                 std::function<void(Status)> done) override;
 
   // Blocking form of CallAsync.
   Status Call(std::string_view method, ClientContext* ctx,
               const google::protobuf::Message& request,
-              google::protobuf::Message* response);
+              google::protobuf::Message* response) override;
 
   ChannelTransportStats transport_stats();
 
@@ -75,7 +76,7 @@ class Channel {
   // completes. The borrowed objects must outlive that moment.
   std::future<Status> CallFuture(std::string_view method, ClientContext* ctx,
                                  const google::protobuf::Message& request,
-                                 google::protobuf::Message* response);
+                                 google::protobuf::Message* response) override;
 
  private:
   friend std::shared_ptr<Channel> CreateChannel(std::string target,

@@ -58,6 +58,7 @@ class CallCanceller {
   virtual ~CallCanceller() = default;
   virtual void Cancel() = 0;
 };
+class ClientContextAccess;
 }  // namespace internal
 
 class ClientContext {
@@ -141,16 +142,11 @@ class ClientContext {
   // Valid once the call has completed.
   const CallStats& stats() const { return stats_; }
 
-  // Runtime use.
-  CallStats* mutable_stats() { return &stats_; }
-  // Attaches the transport's canceller; returns false (and does not attach)
-  // if TryCancel() already ran.
+ private:
+  friend class internal::ClientContextAccess;
   bool AttachCanceller(std::shared_ptr<internal::CallCanceller> canceller);
   void DetachCanceller();
-  // Marks the context used; false if it was used before.
-  bool MarkStarted() { return !started_.exchange(true); }
 
- private:
   std::optional<std::chrono::system_clock::time_point> deadline_;
   std::multimap<std::string, std::string> metadata_;
   Device placement_ = Device::Host();

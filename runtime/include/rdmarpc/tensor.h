@@ -38,6 +38,10 @@
 
 namespace rdmarpc {
 
+namespace internal {
+class CallTensorsAccess;
+}  // namespace internal
+
 // Bytes per element of `dtype`; 0 for DTYPE_UNSPECIFIED or unknown values.
 size_t DTypeSize(DType dtype);
 
@@ -109,13 +113,14 @@ class CallTensors {
   // bytes bound and is not part of a message this call received.
   StatusOr<TensorView> Get(const Tensor& field) const;
 
-  // Runtime use: the buffer bound to `field`, or nullptr.
-  const TensorBuffer* Find(const Tensor& field) const;
-  // Runtime use: records received bytes for `field`.
-  void Bind(const Tensor& field, TensorBuffer buffer);
+  // Forgets every binding.
   void Clear() { bound_.clear(); }
 
  private:
+  friend class internal::CallTensorsAccess;
+  const TensorBuffer* Find(const Tensor& field) const;
+  void Bind(const Tensor& field, TensorBuffer buffer);
+
   absl::flat_hash_map<const Tensor*, TensorBuffer> bound_;
 };
 
