@@ -357,9 +357,9 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
       internal_methods;
   if (rdma) {
     rdma::RdmaServerTransport* raw = rdma.get();
-    internal_methods[rdma::kHelloMethod] = [raw](const std::string& peer,
+    internal_methods[rdma::kHelloMethod] = [raw](const std::string&,
                                                  const std::string& request) {
-      return raw->Hello(peer, request);
+      return raw->Hello(request);
     };
     server->rdma_stats_ = [raw] { return raw->stats(); };
   } else {

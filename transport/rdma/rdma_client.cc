@@ -16,6 +16,7 @@
 #include "runtime/completion.h"
 #include "runtime/fault_injection.h"
 #include "transport/rdma/connection_setup.h"
+#include "transport/rdma/handshake.h"
 #include "transport/rdma/payload.h"
 #include "transport/rdma/registration.h"
 #include "transport/rdma/wire.h"
@@ -636,47 +637,29 @@ internal::FastConnectResult RdmaClientTransport::Connect(
     return Failed(
         absl::StrCat("RDMA handshake failed: ", answer.status().message()));
   }
-  HelloResponse server;
-  if (!server.ParseFromString(*answer)) {
-    return Failed("RDMA handshake answer does not parse");
-  }
-  if (!server.unavailable_reason().empty()) {
-    return NoRdma(
-        absl::StrCat("the server has no RDMA: ", server.unavailable_reason()));
-  }
-  if (server.version() != kWireVersion) {
-    return NoRdma(absl::StrCat("the server speaks RDMA wire version ",
-                               server.version(), ", this client ",
-                               kWireVersion));
-  }
-  if (server.cm_port() == 0 || server.cm_port() > 65535 ||
-      server.token().size() != kTokenBytes) {
-    return Failed("RDMA handshake answer is malformed");
+  bool no_rdma = false;
+  StatusOr<HelloAnswer> server = ParseHelloAnswer(*answer, &no_rdma);
+  if (!server.ok()) {
+    return no_rdma ? NoRdma(server.status().message())
+                   : Failed(server.status().message());
   }
   ConnectionConfig config;
-  config.peer_receives = server.receives();
-  config.peer_receive_bytes = server.receive_bytes();
-  if (config.peer_receive_bytes < 1024 ||
-      config.peer_receive_bytes > (1 << 24) || config.peer_receives < 4 ||
-      config.peer_receives > 4096) {
-    return Failed(absl::StrCat("the server offers ", config.peer_receives,
-                               " receives of ", config.peer_receive_bytes,
-                               " bytes, outside what this client uses"));
-  }
-  uint64_t threshold = server.inline_threshold();
+  config.peer_receives = server->receives;
+  config.peer_receive_bytes = server->receive_bytes;
+  uint64_t threshold = server->inline_threshold;
   if (options.rdma_inline_threshold != 0) {
     threshold = options.rdma_inline_threshold;
   }
   std::unique_ptr<RdmaClientTransport> t(new RdmaClientTransport());
-  t->description_ = absl::StrCat("RDMA connection to ", server.cm_address(),
-                                 ":", server.cm_port());
+  t->description_ = absl::StrCat("RDMA connection to ", server->cm_address, ":",
+                                 server->cm_port);
   t->peer_timeout_ = options.rdma_peer_timeout;
   t->endpoint_ = std::make_shared<ClientEndpoint>(
-      std::move(hooks), server.server_instance(), threshold,
+      std::move(hooks), server->server_instance, threshold,
       options.gpu_rdma_mode, t->description_);
   auto conn = ConnectToServer(
-      server.cm_address(), static_cast<uint16_t>(server.cm_port()),
-      server.token(), config, t->endpoint_, options.rdma_connect_timeout);
+      server->cm_address, static_cast<uint16_t>(server->cm_port), server->token,
+      config, t->endpoint_, options.rdma_connect_timeout);
   if (!conn.ok()) return Failed(conn.status().message());
   t->conn_ = *std::move(conn);
   if (ibv_context* device = t->conn_->cm_id()->verbs) {

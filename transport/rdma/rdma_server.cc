@@ -14,6 +14,7 @@
 #include "runtime/fault_injection.h"
 #include "transport/rdma/connection_setup.h"
 #include "transport/rdma/engine.h"
+#include "transport/rdma/handshake.h"
 #include "transport/rdma/payload.h"
 #include "transport/rdma/registration.h"
 #include "transport/rdma/wire.h"
@@ -635,13 +636,8 @@ std::string RdmaServerTransport::HelloUnavailable(const std::string& reason) {
   return response.SerializeAsString();
 }
 
-StatusOr<std::string> RdmaServerTransport::Hello(const std::string& peer,
-                                                 const std::string& request) {
-  (void)peer;
-  HelloRequest hello;
-  if (!hello.ParseFromString(request)) {
-    return absl::InvalidArgumentError("RDMA hello does not parse");
-  }
+StatusOr<std::string> RdmaServerTransport::Hello(const std::string& request) {
+  RDMARPC_ASSIGN_OR_RETURN(HelloRequest hello, ParseHelloRequest(request));
   static thread_local std::random_device random;
   std::string token(kTokenBytes, '\0');
   for (size_t i = 0; i < kTokenBytes; i += 4) {

@@ -63,8 +63,7 @@ class RdmaServerTransport final : public internal::ServerTransport {
   ~RdmaServerTransport() override;
 
   // The handshake: HelloRequest bytes in, HelloResponse bytes out.
-  StatusOr<std::string> Hello(const std::string& peer,
-                              const std::string& request);
+  StatusOr<std::string> Hello(const std::string& request);
   // HelloResponse bytes for a server without RDMA.
   static std::string HelloUnavailable(const std::string& reason);
 

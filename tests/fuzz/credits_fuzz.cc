@@ -1,0 +1,78 @@
+// Fuzz target for the credit counts a peer sends (transport/rdma/
+// flow_control.h): each input byte is one event on a connection's window,
+// with the peer's returned-credit counts taken from the input. Whatever the
+// peer claims, the window must refuse what it does not owe (an error, not a
+// crash) and never count more credits or slots than exist.
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "fuzz_seeds.h"
+#include "transport/rdma/flow_control.h"
+
+namespace {
+
+using rdmarpc::rdma::CreditWindow;
+
+constexpr CreditWindow::Options kOptions{
+    .peer_receives = 8, .send_queue_slots = 16, .own_receives = 8};
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  CreditWindow window(kOptions);
+  uint32_t taken_slots = 0;    // posted, not yet completed
+  uint32_t owed_receives = 0;  // peer frames received, receive not re-posted
+  for (size_t i = 0; i < size; ++i) {
+    uint8_t op = data[i] & 7;
+    uint8_t arg = data[i] >> 3;  // 0..31
+    switch (op) {
+      case 0:
+        if (window.TryTakeForData()) ++taken_slots;
+        break;
+      case 1:
+        if (window.TryTakeForCreditReturn()) ++taken_slots;
+        break;
+      case 2:
+        if (window.TryTakeSendSlot()) ++taken_slots;
+        break;
+      case 3: {
+        uint32_t n = arg % 4;
+        bool ok = window.OnSendCompleted(n).ok();
+        if (ok != (n <= taken_slots)) std::abort();
+        if (ok) taken_slots -= n;
+        break;
+      }
+      case 4:  // a frame from the peer, its preamble returning `arg`
+        // It can only land in a receive we posted.
+        if (owed_receives + window.returnable() >= kOptions.own_receives) break;
+        if (!window.OnPeerReturned(arg).ok()) return 0;  // connection fails
+        ++owed_receives;
+        break;
+      case 5:
+        if (owed_receives > 0) {
+          if (!window.OnReceiveReposted().ok()) std::abort();
+          --owed_receives;
+        }
+        break;
+      case 6:
+        (void)window.TakeReturnable();
+        break;
+      default:
+        (void)window.ShouldSendCreditReturn();
+    }
+    if (window.peer_credits() > kOptions.peer_receives ||
+        window.free_send_slots() > kOptions.send_queue_slots ||
+        window.returnable() > kOptions.own_receives) {
+      std::abort();
+    }
+  }
+  return 0;
+}
+
+std::vector<std::string> FuzzSeeds() {
+  // Take, complete, receive a frame returning 1, re-post, return credits.
+  return {std::string("\x00\x08\x0c\x05\x06", 5),
+          std::string("\x00\x00\x00\x00\x00\x00\x00\x01\x1c\x0b", 10)};
+}
