@@ -110,26 +110,25 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
   }
 
   void OnDone() override {
-    // A logged call (a re-send) whose response went out: its record no
-    // longer needs to keep the response.
-    if (sent_response_ && state_ && state_->logged) {
-      dispatcher_->Delivered(*state_);
+    // A logged call (a re-send): its outcome reached the client unless the
+    // RPC was cancelled or broke; then the log keeps it for another re-send.
+    if (state_ && state_->logged && finished_) {
+      if (!gctx_->IsCancelled()) {
+        dispatcher_->Delivered(*state_);
+      } else {
+        dispatcher_->Undelivered(state_, outcome_, std::move(response_));
+      }
     }
     delete this;
   }
 
  private:
   bool ParseResend(const std::string& value) {
-    std::vector<absl::string_view> fields = absl::StrSplit(value, '.');
-    uint64_t client = 0, instance = 0, age = 0;
-    if (fields.size() != 3 || !absl::SimpleAtoi(fields[0], &client) ||
-        !absl::SimpleAtoi(fields[1], &instance) ||
-        !absl::SimpleAtoi(fields[2], &age) || client == 0) {
-      return false;
-    }
-    state_->client_id = client;
+    std::optional<ResendMetadata> r = ParseResendMetadata(value);
+    if (!r) return false;
+    state_->client_id = r->client_id;
     state_->resend = internal::ServerCallState::Resend{
-        instance, std::chrono::milliseconds(age)};
+        r->server_instance, std::chrono::milliseconds(r->age_ms)};
     return true;
   }
 
@@ -144,24 +143,9 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
   }
 
   Status AcceptPlain() {
-    grpc::ProtoBufferReader reader(&read_buf_);
-    if (!request_->ParseFromZeroCopyStream(&reader)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("request does not parse as ", request_->GetTypeName()));
-    }
-    // A plain peer sends every tensor inline; AcceptIncoming checks each
-    // against its dtype and shape.
-    std::vector<const Tensor*> fields;
-    RDMARPC_RETURN_IF_ERROR(internal::CollectTensors(*request_, &fields));
-    std::vector<internal::IncomingPart> parts;
-    parts.reserve(fields.size());
-    for (const Tensor* t : fields)
-      parts.push_back({false, t->data().size(), {}});
-    return internal::AcceptIncoming(request_.get(), parts,
-                                    state_->method().placement,
-                                    dispatcher_->max_request_tensor_bytes(),
-                                    request_, &state_->tensors)
-        .status();
+    return AcceptPlainRequest(
+        &read_buf_, request_.get(), state_->method().placement,
+        dispatcher_->max_request_tensor_bytes(), request_, &state_->tensors);
   }
 
   void Dispatch() {
@@ -236,7 +220,7 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
       std::lock_guard<std::mutex> lock(mu_);
       if (finished_) return;
       finished_ = true;
-      sent_response_ = true;
+      outcome_ = absl::OkStatus();
     }
     StartWriteAndFinish(&write_buf_, grpc::WriteOptions(), grpc::Status::OK);
   }
@@ -252,7 +236,7 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
       std::lock_guard<std::mutex> lock(mu_);
       if (finished_) return;
       finished_ = true;
-      sent_response_ = s.ok();
+      outcome_ = s;
     }
     Finish(ToGrpc(s));
   }
@@ -268,8 +252,8 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
   grpc::ByteBuffer read_buf_;
   grpc::ByteBuffer write_buf_;
   std::mutex mu_;
-  bool finished_ = false;
-  bool sent_response_ = false;  // guarded by mu_ until OnDone
+  bool finished_ = false;  // guarded by mu_ until OnDone
+  Status outcome_;         // what Finish sent, once finished_
 };
 
 // A runtime method: one request message in, one response message out.

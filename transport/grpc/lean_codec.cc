@@ -6,9 +6,46 @@
 #include <algorithm>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "runtime/tensor_walk.h"
 
 namespace rdmarpc::grpc_transport {
+
+std::optional<ResendMetadata> ParseResendMetadata(std::string_view value) {
+  std::vector<absl::string_view> fields =
+      absl::StrSplit(absl::string_view(value.data(), value.size()), '.');
+  ResendMetadata r;
+  if (fields.size() != 3 || !absl::SimpleAtoi(fields[0], &r.client_id) ||
+      !absl::SimpleAtoi(fields[1], &r.server_instance) ||
+      !absl::SimpleAtoi(fields[2], &r.age_ms) || r.client_id == 0) {
+    return std::nullopt;
+  }
+  return r;
+}
+
+Status AcceptPlainRequest(grpc::ByteBuffer* bytes,
+                          google::protobuf::Message* msg,
+                          const internal::TensorPlacement& placement,
+                          uint64_t max_bytes, std::shared_ptr<const void> owner,
+                          CallTensors* tensors) {
+  grpc::ProtoBufferReader reader(bytes);
+  if (!msg->ParseFromZeroCopyStream(&reader)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("request does not parse as ", msg->GetTypeName()));
+  }
+  // A plain peer sends every tensor inline; AcceptIncoming checks each
+  // against its dtype and shape.
+  std::vector<const Tensor*> fields;
+  RDMARPC_RETURN_IF_ERROR(internal::CollectTensors(*msg, &fields));
+  std::vector<internal::IncomingPart> parts;
+  parts.reserve(fields.size());
+  for (const Tensor* t : fields) parts.push_back({false, t->data().size(), {}});
+  return internal::AcceptIncoming(msg, parts, placement, max_bytes,
+                                  std::move(owner), tensors)
+      .status();
+}
 namespace {
 
 // What a no-copy slice keeps alive until gRPC drops it.

@@ -13,7 +13,9 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "rdmarpc/memory.h"
@@ -43,6 +45,24 @@ StatusOr<internal::IncomingResult> AcceptHead(
     const internal::TensorPlacement& placement, uint64_t max_bytes,
     std::shared_ptr<const void> owner, CallTensors* tensors,
     std::span<const TensorBuffer> supplied = {});
+
+// The `kResendKey` metadata value: client id (non-zero), the server
+// instance the call was first sent to, and its age. Nullopt if malformed.
+struct ResendMetadata {
+  uint64_t client_id = 0;
+  uint64_t server_instance = 0;
+  uint64_t age_ms = 0;
+};
+std::optional<ResendMetadata> ParseResendMetadata(std::string_view value);
+
+// A plain gRPC request (every tensor's bytes inline in its data field):
+// parses `bytes` into `msg` and checks and binds each tensor against its
+// dtype and shape (see internal::AcceptIncoming).
+Status AcceptPlainRequest(grpc::ByteBuffer* bytes,
+                          google::protobuf::Message* msg,
+                          const internal::TensorPlacement& placement,
+                          uint64_t max_bytes, std::shared_ptr<const void> owner,
+                          CallTensors* tensors);
 
 class LeanSender {
  public:
