@@ -69,7 +69,7 @@ export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/
 # The 3 GiB test runs alone (RUN_SERIAL); the rest two at a time.
 (cd "$build_dir" && timed "host tests" \
   ctest --output-on-failure -j 2 -LE '^(rdma|fault)$') || status=1
-host_suites=(-LE '^(rdma|fault|gpu|fuzz)$' -E '^(install_consumer|e2e_grpc_3gib)$')
+host_suites=(-LE '^(rdma|rdma_vm|fault|gpu|fuzz)$' -E '^(install_consumer|e2e_grpc_3gib)$')
 if [ "$sanitizers" = 1 ]; then
   (cd build-asan && timed "host tests under ASan+UBSan" \
     ctest --output-on-failure -j 2 "${host_suites[@]}") || status=1
@@ -77,7 +77,7 @@ if [ "$sanitizers" = 1 ]; then
   (cd build-asan && timed "fuzz targets under ASan+UBSan" bash -c '
     set -o pipefail
     ctest --output-on-failure -V -L "^fuzz$" 2>&1 |
-      tee fuzz.log | grep -E "Test +#|DONE|tests passed|FAIL|ERROR" |
+      tee fuzz.log | grep -E "Test +#|DONE|tests passed|Failed|==ERROR|ERROR: libFuzzer|runtime error" |
       sed -E "s/^[0-9]+: //"') || status=1
   (cd build-tsan && timed "host tests under TSan" \
     ctest --output-on-failure -j 2 "${host_suites[@]}") || status=1
