@@ -1,28 +1,17 @@
 #include "rdmarpc/channel.h"
 
 #include <memory>
-#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "runtime/access.h"
+#include "runtime/random.h"
 #include "runtime/transport.h"
 #include "runtime/transport_router.h"
 #include "transport/grpc/grpc_client.h"
 #include "transport/rdma/rdma_client.h"
 
 namespace rdmarpc {
-
-namespace {
-
-uint64_t RandomNonZero() {
-  std::random_device random;
-  uint64_t v = 0;
-  while (v == 0) v = (uint64_t{random()} << 32) | random();
-  return v;
-}
-
-}  // namespace
 
 Channel::Channel(std::string target, ChannelOptions options)
     : target_(std::move(target)), options_(options) {
@@ -31,7 +20,7 @@ Channel::Channel(std::string target, ChannelOptions options)
   internal::SetupChannel* setup = grpc.get();
   grpc_ = std::move(grpc);
   router_ = std::make_unique<internal::TransportRouter>(
-      options_, RandomNonZero(), grpc_.get(),
+      options_, internal::RandomNonZero(), grpc_.get(),
       [setup, options = options_](internal::FastPathHooks hooks) {
         return rdma::RdmaClientTransport::Connect(setup, options,
                                                   std::move(hooks));

@@ -6,14 +6,15 @@
 #include <condition_variable>
 #include <exception>
 #include <mutex>
-#include <random>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "runtime/call_log.h"
+#include "runtime/random.h"
 #include "runtime/thread_pool.h"
 #include "runtime/transport.h"
 #include "transport/grpc/grpc_server.h"
+#include "transport/rdma/connection_setup.h"
 #include "transport/rdma/rdma_client.h"
 #include "transport/rdma/rdma_server.h"
 
@@ -54,7 +55,7 @@ class ServerDispatcher final : public Dispatcher {
       : methods_(std::move(methods)),
         max_request_tensor_bytes_(max_request_tensor_bytes),
         run_inline_(run_inline),
-        log_(CallLog::Options{}, RandomInstance()),
+        log_(CallLog::Options{}, RandomNonZero()),
         pool_(run_inline ? 1 : workers, "rdmarpc-worker") {
     sweeper_ = std::thread([this] { SweepLog(); });
     pthread_setname_np(sweeper_.native_handle(), "rdmarpc-log");
@@ -157,13 +158,6 @@ class ServerDispatcher final : public Dispatcher {
   CallLog::Stats call_log_stats() { return log_.stats(); }
 
  private:
-  static uint64_t RandomInstance() {
-    std::random_device random;
-    uint64_t v = 0;
-    while (v == 0) v = (uint64_t{random()} << 32) | random();
-    return v;
-  }
-
   // Sweeps the log every second (so waiting re-sends time out without new
   // traffic) and closes it at the shutdown deadline.
   void SweepLog() {
@@ -331,10 +325,11 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
           ? workers_
           : std::max(4, static_cast<int>(std::thread::hardware_concurrency()));
   std::unique_ptr<Server> server(new Server());
-  if (rdma_receives_ < 4 || rdma_receives_ > 4096) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ServerBuilder: SetRdmaReceives(", rdma_receives_,
-                     ") outside 4..4096"));
+  if (Status receives = rdma::CheckReceives(
+          rdma_receives_, rdma::ConnectionConfig{}.receive_bytes,
+          "ServerBuilder::SetRdmaReceives");
+      !receives.ok()) {
+    return receives;
   }
   server->dispatcher_ = std::make_unique<internal::ServerDispatcher>(
       std::move(methods), workers, max_request_tensor_bytes_, handlers_inline_);

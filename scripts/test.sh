@@ -8,7 +8,8 @@
 #               unit, codegen and grpc suites, the fuzz targets (a fixed
 #               number of inputs each, coverage printed) and the rdma group.
 #   build-tsan  clang, TSan: the unit, codegen and grpc suites and the rdma
-#               group.
+#               group (Debian's gRPC is not instrumented: stacks through it
+#               are suppressed, see tests/sanitizers/tsan.supp).
 # The sanitizer trees leave out the benchmarks, the examples (so the interop
 # test), CUDA (no GPU here to run it), the install test and the 3 GiB test;
 # under TSan the rdma group skips its 1 GiB case (TSan's shadow memory would

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "fuzz_seeds.h"
+#include "transport/rdma/payload.h"
 #include "transport/rdma/wire.h"
 
 namespace {
@@ -55,6 +56,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (auto r = ParseRequest(*frame, {}); r.ok()) {
         CheckParts(r->parts(), *frame);
         if (r->call_id() == 0 || r->method().empty()) std::abort();
+        // The receive side's plan for the parts: landing memory for each
+        // written part, tensors within the budget whatever sizes the peer
+        // claims. (A written message part may take up to 2 GiB; the
+        // server's landing pool bounds it, so it is kept small here.)
+        constexpr uint64_t kBudget = 1 << 20;
+        if (r->parts(0).size() <= kBudget) {
+          auto in = ReceivePayload(
+              r->parts(), frame->inline_bytes, kBudget, {},
+              rdmarpc::internal::TensorPlacement(rdmarpc::Device::Host()),
+              nullptr, {nullptr, rdmarpc::GpuRdmaMode::kAuto});
+          if (in.ok()) {
+            uint64_t landing = 0;
+            for (const auto& b : in->landing) landing += b.size();
+            if (landing > kBudget + r->parts(0).size()) std::abort();
+          }
+        }
       }
       break;
     case FrameType::kResponse:
@@ -63,8 +80,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       break;
     case FrameType::kGrant:
-      if (auto g = ParseGrant(*frame, 1); g.ok()) {
-        if (g->regions(0).length() == 0) std::abort();
+      // A grant for 1 to 3 written parts.
+      if (auto g = ParseGrant(*frame, 1 + size % 3); g.ok()) {
+        if (g->regions_size() != static_cast<int>(1 + size % 3)) std::abort();
+        for (const Region& r : g->regions()) {
+          if (r.length() == 0) std::abort();
+        }
       }
       break;
     case FrameType::kCancel:
@@ -98,10 +119,12 @@ std::vector<std::string> FuzzSeeds() {
   Grant grant;
   grant.set_call_id(1);
   grant.set_grant_id(9);
-  auto* region = grant.add_regions();
-  region->set_addr(4096);
-  region->set_rkey(5);
-  region->set_length(1 << 20);
+  for (int k = 0; k < 3; ++k) {
+    auto* region = grant.add_regions();
+    region->set_addr(4096 << k);
+    region->set_rkey(5 + k);
+    region->set_length((1 << 20) >> k);
+  }
   Cancel cancel;
   cancel.set_call_id(1);
   Ping ping;

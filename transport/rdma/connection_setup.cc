@@ -41,6 +41,17 @@ std::string EncodeConnectData(const ConnectData& data) {
   return out;
 }
 
+Status CheckReceives(uint32_t receives, uint32_t receive_bytes,
+                     const char* whose) {
+  if (receives >= 4 && receives <= 4096 && receive_bytes >= 1024 &&
+      receive_bytes <= (1 << 24)) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      whose, ": ", receives, " control receives of ", receive_bytes,
+      " bytes; want 4..4096 receives of 1024..16777216 bytes"));
+}
+
 StatusOr<ConnectData> DecodeConnectData(std::string_view bytes) {
   if (bytes.size() < kConnectDataBytes) {
     return absl::InvalidArgumentError(

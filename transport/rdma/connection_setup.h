@@ -31,6 +31,12 @@ struct ConnectData {
   uint32_t receive_bytes = 0;
 };
 std::string EncodeConnectData(const ConnectData& data);
+
+// The control receives either side accepts from the other (and lets a
+// server be configured with): 4..4096 receives of 1 KiB..16 MiB each.
+// INVALID_ARGUMENT naming `whose` and the range otherwise.
+[[nodiscard]] Status CheckReceives(uint32_t receives, uint32_t receive_bytes,
+                                   const char* whose);
 // INVALID_ARGUMENT unless `bytes` starts with a well-formed record (the CM
 // may pad private data with zeros).
 [[nodiscard]] StatusOr<ConnectData> DecodeConnectData(std::string_view bytes);

@@ -27,11 +27,10 @@ StatusOr<HelloAnswer> ParseHelloAnswer(std::string_view bytes, bool* no_rdma) {
       server.token().size() != kTokenBytes) {
     return absl::UnavailableError("RDMA handshake answer is malformed");
   }
-  if (server.receive_bytes() < 1024 || server.receive_bytes() > (1 << 24) ||
-      server.receives() < 4 || server.receives() > 4096) {
-    return absl::UnavailableError(absl::StrCat(
-        "the server offers ", server.receives(), " receives of ",
-        server.receive_bytes(), " bytes, outside what this client uses"));
+  if (Status offered = CheckReceives(server.receives(), server.receive_bytes(),
+                                     "the server's RDMA receives");
+      !offered.ok()) {
+    return absl::UnavailableError(offered.message());
   }
   if (server.inline_threshold() > server.receive_bytes()) {
     return absl::UnavailableError(absl::StrCat(

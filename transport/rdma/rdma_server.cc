@@ -759,8 +759,7 @@ void RdmaServerTransport::OnConnectRequest(const CmEvent& event) {
     client_id = it->second.client_id;
     tokens_.erase(it);
   }
-  if (data->receives < 4 || data->receives > 4096 ||
-      data->receive_bytes < 1024 || data->receive_bytes > (1 << 24)) {
+  if (!CheckReceives(data->receives, data->receive_bytes, "the client").ok()) {
     return refuse("receive sizes out of range");
   }
   ConnectionConfig config;
