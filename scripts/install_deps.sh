@@ -10,6 +10,8 @@ packages=(
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   libibverbs-dev librdmacm-dev
   python3 python3-grpcio python3-protobuf
+  # The sanitizer trees and libFuzzer (scripts/test.sh).
+  clang-14 libclang-rt-14-dev
   # bench/run_all.sh: plots.
   python3-matplotlib linux-perf
   # The soft-RoCE VM (tests/rdma_vm) and the RDMA smoke checks inside it.

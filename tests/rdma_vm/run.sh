@@ -23,6 +23,7 @@
 #   RDMARPC_VM_CPUS       guest vCPUs (default: this machine's cores, max 4)
 #   RDMARPC_VM_ACCEL      tcg (default) | kvm (opt in where KVM works: on
 #                         some hosts /dev/kvm exists but guests hang)
+#   RDMARPC_VM_CPU        qemu CPU model under tcg (default max)
 #
 # Exit code: the command's; 125 when the harness itself failed (the message
 # on stderr starts with "rdma_vm:").
@@ -233,7 +234,9 @@ cpus="${RDMARPC_VM_CPUS:-$(nproc)}"
 timeout_s="${RDMARPC_VM_TIMEOUT:-1800}"
 accel="${RDMARPC_VM_ACCEL:-tcg}"
 case "$accel" in
-  tcg) accel_args=(-accel tcg) ;;
+  # qemu64, TCG's default model, lacks instructions TSan's runtime uses
+  # (its binaries die with SIGILL there); "max" is every feature TCG has.
+  tcg) accel_args=(-accel tcg -cpu "${RDMARPC_VM_CPU:-max}") ;;
   kvm)
     [ -w /dev/kvm ] || die "RDMARPC_VM_ACCEL=kvm but /dev/kvm is not usable by $(id -un)"
     accel_args=(-accel kvm -cpu host)
