@@ -70,7 +70,8 @@ struct FastPathHooks {
   std::function<void(const Status& why, const std::string& trigger)> lost;
 };
 
-// A fast transport's traffic, for ChannelTransportStats.
+// A fast transport's traffic, for ChannelTransportStats; waits_for_credit
+// counts frames and writes that waited for the peer's credits.
 struct FastPathCounters {
   uint64_t frames_sent = 0;
   uint64_t frames_received = 0;

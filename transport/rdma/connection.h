@@ -38,6 +38,7 @@
 
 #include "google/protobuf/message_lite.h"
 #include "rdmarpc/status.h"
+#include "runtime/transport.h"
 #include "transport/rdma/flow_control.h"
 #include "transport/rdma/verbs.h"
 #include "transport/rdma/wire.h"
@@ -157,15 +158,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool Busy() const;
   std::atomic<int> calls_waiting{0};
 
-  // Counters for tests and stats.
-  struct Counters {
-    uint64_t frames_sent = 0;
-    uint64_t frames_received = 0;
-    uint64_t writes_posted = 0;
-    uint64_t credit_frames_sent = 0;
-    // Times a frame or write had to wait for a peer receive or a send slot.
-    uint64_t waits_for_credit = 0;
-  };
+  // Counters for tests and stats (waits_for_credit: times a frame or write
+  // had to wait for a peer receive or a send slot).
+  using Counters = internal::FastPathCounters;
   Counters counters() const;
 
   // Engine use (engine thread only).

@@ -763,9 +763,7 @@ void RdmaClientTransport::Start(internal::ClientCall call) {
 Status RdmaClientTransport::health() const { return endpoint_->health(); }
 
 internal::FastPathCounters RdmaClientTransport::counters() const {
-  Connection::Counters c = conn_->counters();
-  return {c.frames_sent, c.frames_received, c.writes_posted,
-          c.credit_frames_sent, c.waits_for_credit};
+  return conn_->counters();
 }
 
 }  // namespace rdmarpc::rdma

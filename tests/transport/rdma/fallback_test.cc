@@ -10,6 +10,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <future>
 #include <string>
 #include <thread>
 
@@ -64,6 +65,22 @@ class FallbackTest : public ::testing::Test {
     EXPECT_TRUE(out.ok() && out->size() == size &&
                 std::memcmp(out->data(), bytes.data(), size) == 0);
     return ctx.stats().transport;
+  }
+
+  // Starts a Slow call of `sleep_ms` (the request and response must
+  // outlive it) and returns once its handler runs.
+  std::future<rdmarpc::Status> StartSlow(rdmarpc::Channel* channel,
+                                         rdmarpc::ClientContext* ctx,
+                                         EchoRequest* req, EchoResponse* resp,
+                                         int sleep_ms) {
+    int started = service_.slow_started.load();
+    req->set_sleep_ms(sleep_ms);
+    auto future =
+        channel->CallFuture("/rdmarpc_test.E2E/Slow", ctx, *req, resp);
+    while (service_.slow_started.load() == started) {
+      std::this_thread::sleep_for(5ms);
+    }
+    return future;
   }
 
   static bool WaitFor(rdmarpc::Channel* channel, RdmaHealth health,
@@ -170,11 +187,7 @@ TEST_F(FallbackTest, HandlerRunningWhenTheConnectionDropsRunsOnce) {
   rdmarpc::ClientContext ctx;
   EchoRequest req;
   EchoResponse resp;
-  req.set_sleep_ms(800);
-  auto future = channel->CallFuture("/rdmarpc_test.E2E/Slow", &ctx, req, &resp);
-  while (service_.slow_started.load() == started) {
-    std::this_thread::sleep_for(5ms);
-  }
+  auto future = StartSlow(channel.get(), &ctx, &req, &resp, 800);
   fault::Arm("rdma.client.qp_error", 1);
   rdmarpc::Status s = future.get();
   EXPECT_TRUE(s.ok()) << s;
@@ -228,11 +241,7 @@ TEST_F(FallbackTest, ShutdownWithAResendPendingEndsByItsDeadline) {
   rdmarpc::ClientContext ctx;
   EchoRequest req;
   EchoResponse resp;
-  req.set_sleep_ms(120000);
-  auto future = channel->CallFuture("/rdmarpc_test.E2E/Slow", &ctx, req, &resp);
-  while (service_.slow_started.load() == started) {
-    std::this_thread::sleep_for(5ms);
-  }
+  auto future = StartSlow(channel.get(), &ctx, &req, &resp, 120000);
   // The connection breaks under the running handler: the re-send over
   // gRPC waits in the server's call log for that run.
   fault::Arm("rdma.client.qp_error", 1);
