@@ -34,27 +34,33 @@ Engine& Engine::Get() {
   return *engine;
 }
 
-Engine::Engine() : spin_(SpinFromEnvironment()) {
-  epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
-  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+Engine::Engine()
+    : epoll_fd_(epoll_create1(EPOLL_CLOEXEC)),
+      wake_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)),
+      spin_(SpinFromEnvironment()) {
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.ptr = nullptr;
-  epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &ev);
+  if (epoll_fd_.get() < 0 || wake_fd_.get() < 0 ||
+      epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, wake_fd_.get(), &ev) != 0) {
+    // Every connection then fails to start with this error (RDMA is not
+    // used); nothing else in the process is affected.
+    start_error_ = VerbsError(
+        "starting the RDMA completion engine (epoll, eventfd)", errno);
+    return;
+  }
   thread_ = std::thread([this] { Loop(); });
   pthread_setname_np(thread_.native_handle(), "rdmarpc-engine");
   thread_.detach();
 }
 
 Status Engine::Add(std::shared_ptr<Connection> conn) {
-  if (epoll_fd_ < 0 || wake_fd_ < 0) {
-    return VerbsError("starting the RDMA completion engine (epoll/eventfd)",
-                      EMFILE);
-  }
+  RDMARPC_RETURN_IF_ERROR(start_error_);
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.ptr = conn.get();
-  if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, conn->completion_fd(), &ev) != 0) {
+  if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, conn->completion_fd(), &ev) !=
+      0) {
     return VerbsError("watching a completion channel (epoll_ctl)", errno);
   }
   {
@@ -68,7 +74,8 @@ Status Engine::Add(std::shared_ptr<Connection> conn) {
       bool watched =
           flags >= 0 &&
           fcntl(device->async_fd, F_SETFL, flags | O_NONBLOCK) == 0 &&
-          epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, device->async_fd, &dev) == 0;
+          epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, device->async_fd, &dev) ==
+              0;
       watched_devices_[device] = watched;
     }
     live_.push_back(conn);
@@ -80,7 +87,7 @@ Status Engine::Add(std::shared_ptr<Connection> conn) {
 
 void Engine::Wake() {
   uint64_t one = 1;
-  (void)!write(wake_fd_, &one, sizeof(one));
+  (void)!write(wake_fd_.get(), &one, sizeof(one));
 }
 
 void Engine::ReadAsyncEvents(ibv_context* device) {
@@ -94,7 +101,9 @@ void Engine::ReadAsyncEvents(ibv_context* device) {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = watched_devices_.find(device);
       if (it != watched_devices_.end() && it->second) {
-        epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, device->async_fd, nullptr);
+        // An error only means the fd is gone already.
+        (void)epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, device->async_fd,
+                        nullptr);
         it->second = false;
       }
       return;
@@ -165,7 +174,8 @@ void Engine::ReleaseDevicesLocked() {
       continue;
     }
     if (it->second) {
-      epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, it->first->async_fd, nullptr);
+      (void)epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, it->first->async_fd,
+                      nullptr);  // an error: the fd is gone already
     }
     it = watched_devices_.erase(it);
   }
@@ -187,7 +197,8 @@ void Engine::Loop() {
       Connection* c = conns[i].get();
       progress |= c->Poll();
       if (c->closed()) {
-        epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, c->completion_fd(), nullptr);
+        (void)epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, c->completion_fd(),
+                        nullptr);  // an error: the fd is gone already
         c->FinishClose();
         conns[i] = std::move(conns.back());
         conns.pop_back();
@@ -220,12 +231,12 @@ void Engine::Loop() {
 
 void Engine::HandleEpoll(int timeout_ms) {
   epoll_event events[64];
-  int n = epoll_wait(epoll_fd_, events, 64, timeout_ms);
+  int n = epoll_wait(epoll_fd_.get(), events, 64, timeout_ms);
   for (int i = 0; i < n; ++i) {
     uint64_t data = events[i].data.u64;
     if (data == 0) {
       uint64_t count;
-      (void)!read(wake_fd_, &count, sizeof(count));
+      (void)!read(wake_fd_.get(), &count, sizeof(count));
     } else if (data & kDeviceTag) {
       ReadAsyncEvents(reinterpret_cast<ibv_context*>(data & ~kDeviceTag));
     } else {

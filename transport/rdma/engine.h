@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "rdmarpc/status.h"
+#include "transport/rdma/verbs.h"
 
 namespace rdmarpc::rdma {
 
@@ -63,8 +64,9 @@ class Engine {
   // Stops watching devices no open connection uses. Requires mu_.
   void ReleaseDevicesLocked();
 
-  int epoll_fd_ = -1;
-  int wake_fd_ = -1;
+  UniqueFd epoll_fd_;
+  UniqueFd wake_fd_;
+  Status start_error_;  // why the engine could not start; Add returns it
   std::chrono::microseconds spin_;
   std::mutex mu_;
   std::vector<std::shared_ptr<Connection>> added_;  // not yet picked up

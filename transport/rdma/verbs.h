@@ -16,11 +16,13 @@
 
 #include <infiniband/verbs.h>
 #include <rdma/rdma_cma.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/string_view.h"
@@ -86,6 +88,27 @@ class CmQueuePair {
 // locked-memory limit (RLIMIT_MEMLOCK) and says to raise `ulimit -l`.
 [[nodiscard]] StatusOr<MemoryRegion> RegisterMemory(ibv_pd* pd, void* addr,
                                                     size_t length, int access);
+
+// An owned file descriptor, closed on destruction.
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  UniqueFd(UniqueFd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  UniqueFd& operator=(UniqueFd&& other) noexcept {
+    Reset(std::exchange(other.fd_, -1));
+    return *this;
+  }
+  ~UniqueFd() { Reset(); }
+  int get() const { return fd_; }
+  void Reset(int fd = -1) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
 
 // Creates an RC queue pair on `id` (which has a device: resolved or
 // accepted). Send and receive completions both go to `cq`.
