@@ -1,5 +1,8 @@
 #include "transport/rdma/handshake.h"
 
+#include <cstring>
+#include <random>
+
 #include "absl/strings/str_cat.h"
 #include "transport/rdma/connection_setup.h"
 #include "transport/rdma/wire.h"
@@ -55,6 +58,47 @@ StatusOr<HelloRequest> ParseHelloRequest(std::string_view bytes) {
     return absl::InvalidArgumentError("RDMA hello does not parse");
   }
   return hello;
+}
+
+namespace {
+
+// At most this many tokens wait for their connect at once.
+constexpr size_t kMaxWaitingTokens = 4096;
+
+}  // namespace
+
+StatusOr<std::string> TokenTable::Issue(uint64_t client_id) {
+  static thread_local std::random_device random;
+  std::string token(kTokenBytes, '\0');
+  for (size_t i = 0; i < kTokenBytes; i += 4) {
+    uint32_t v = random();
+    std::memcpy(token.data() + i, &v, 4);
+  }
+  const auto now = std::chrono::steady_clock::now();
+  std::lock_guard<std::mutex> lock(mu_);
+  std::erase_if(tokens_,
+                [now](const auto& t) { return t.second.expires < now; });
+  if (tokens_.size() >= kMaxWaitingTokens) {
+    return absl::ResourceExhaustedError(
+        "too many RDMA handshakes waiting for their connect");
+  }
+  tokens_[token] = Entry{now + lifetime_, client_id};
+  return token;
+}
+
+std::optional<uint64_t> TokenTable::Redeem(const std::string& token) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = tokens_.find(token);
+  if (it == tokens_.end()) return std::nullopt;
+  Entry entry = it->second;
+  tokens_.erase(it);
+  if (entry.expires < std::chrono::steady_clock::now()) return std::nullopt;
+  return entry.client_id;
+}
+
+void TokenTable::Clear() {
+  std::lock_guard<std::mutex> lock(mu_);
+  tokens_.clear();
 }
 
 }  // namespace rdmarpc::rdma

@@ -1,5 +1,8 @@
 // The RDMA server transport: takes RDMA connections from clients that said
 // hello on the gRPC port, and serves their calls through the dispatcher.
+// This file composes the parts: the listener (listener.h) delivers connect
+// requests, the token table (handshake.h) decides them, and each accepted
+// connection's calls run in a ServerEndpoint (server_calls.h).
 //
 // Hello() (served on the gRPC port as /rdmarpc.internal.Rdma/Hello) hands
 // out a one-time token with the RDMA endpoint; a CM connect request must
@@ -14,20 +17,19 @@
 #ifndef RDMARPC_TRANSPORT_RDMA_RDMA_SERVER_H_
 #define RDMARPC_TRANSPORT_RDMA_RDMA_SERVER_H_
 
-#include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "rdmarpc/server.h"
 #include "runtime/transport.h"
 #include "transport/rdma/connection.h"
+#include "transport/rdma/handshake.h"
+#include "transport/rdma/listener.h"
 #include "transport/rdma/verbs.h"
 
 namespace rdmarpc::rdma {
@@ -72,34 +74,20 @@ class RdmaServerTransport final : public internal::ServerTransport {
   RdmaServerStats stats() const;
 
  private:
-  explicit RdmaServerTransport(internal::Dispatcher* dispatcher,
-                               const RdmaServerOptions& options);
-  void CmLoop();
+  RdmaServerTransport(internal::Dispatcher* dispatcher,
+                      const RdmaServerOptions& options);
+  // Accepts or refuses a client's connect (on the listener's thread).
   void OnConnectRequest(const CmEvent& event);
-  // Binds and listens on address_. Requires mu_.
-  Status ListenLocked();
-  // The listener's device went away: drop it; CmLoop listens again.
-  void DropListener(const std::string& why);
+  // Closes the connection of CM id `id`, whose client left.
+  void OnConnectionLost(rdma_cm_id* id, rdma_cm_event_type type);
 
   internal::Dispatcher* dispatcher_;
   RdmaServerOptions options_;
-  std::string address_;
-  uint16_t port_ = 0;   // guarded by mu_
-  std::string device_;  // guarded by mu_
-  EventChannel events_;
-  CmId listen_id_;
   std::shared_ptr<ServerShared> shared_;
-  std::atomic<bool> stop_{false};
-  std::thread cm_thread_;
+  TokenTable tokens_;
+  std::unique_ptr<CmListener> listener_;
 
   mutable std::mutex mu_;
-  // Empty while listening; else why not (the device went away).
-  std::string not_listening_;
-  struct Token {
-    std::chrono::steady_clock::time_point expires;
-    uint64_t client_id = 0;
-  };
-  std::map<std::string, Token> tokens_;
   std::map<rdma_cm_id*, std::shared_ptr<ServerEndpoint>> endpoints_;
   bool shut_down_ = false;
 };

@@ -71,6 +71,9 @@ std::unique_ptr<rdmarpc::Server> StartServer(Service* service, int* port,
 std::shared_ptr<rdmarpc::Channel> RdmaChannel(int port) {
   rdmarpc::ChannelOptions options;
   options.policy = rdmarpc::TransportPolicy::kRdma;
+  // Generous: these tests are about calls, not connect speed, and 32
+  // simultaneous connects take seconds in a TCG VM under TSan.
+  options.rdma_connect_timeout = std::chrono::seconds(60);
   return rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port), options);
 }
 

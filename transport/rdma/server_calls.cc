@@ -1,0 +1,442 @@
+#include "transport/rdma/server_calls.h"
+
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/fault_injection.h"
+#include "transport/rdma/payload.h"
+
+namespace rdmarpc::rdma {
+
+using google::protobuf::Message;
+
+struct ServerRecord {
+  enum class Stage {
+    kAwaitRequestData,  // landing memory granted, client writing
+    kRunning,           // handler queued or running
+    kAwaitResponseGrant,
+    kWritingResponse,
+  };
+  Stage stage = Stage::kAwaitRequestData;
+  std::shared_ptr<internal::ServerCallState> state;
+  std::shared_ptr<google::protobuf::Message> request;
+  IncomingPayload in;
+  LandingReservation landing;
+  uint32_t grant_id = 0;
+  std::unique_ptr<google::protobuf::Message> response;
+  OutgoingPayload out;
+  std::vector<LocalMemory> sources;
+  int writes_pending = 0;
+  Status write_error;  // of a response write
+};
+
+ServerEndpoint::ServerEndpoint(internal::Dispatcher* dispatcher,
+                               std::shared_ptr<ServerShared> shared,
+                               uint64_t threshold, GpuRdmaMode gpu_mode,
+                               std::string peer, uint64_t client_id)
+    : dispatcher_(dispatcher),
+      shared_(std::move(shared)),
+      inline_threshold_(threshold),
+      gpu_mode_(gpu_mode),
+      peer_(std::move(peer)),
+      client_id_(client_id) {}
+
+ServerEndpoint::~ServerEndpoint() = default;
+
+void ServerEndpoint::Attach(std::shared_ptr<Connection> conn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  conn_ = std::move(conn);
+  cache_ = RegistrationCache::Create(conn_->pd());
+}
+
+std::shared_ptr<Connection> ServerEndpoint::connection() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return conn_;
+}
+
+void ServerEndpoint::CancelAll() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [id, r] : calls_) r->state->cancelled.store(true);
+}
+
+Status ServerEndpoint::OnFrame(const FrameView& frame) {
+  // Fault injection: a server that stops answering on RDMA while its gRPC
+  // port still does.
+  if (RDMARPC_FAULT("rdma.server.ignore_frames")) return absl::OkStatus();
+  switch (frame.type) {
+    case FrameType::kPing: {
+      RDMARPC_ASSIGN_OR_RETURN(Ping ping, ParsePing(frame));
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed_) return absl::OkStatus();
+      // Fails only on a closing connection, whose close ends the calls.
+      Status sent = conn_->SendFrame(FrameType::kPong, &ping);
+      return conn_->closed() ? absl::OkStatus() : sent;
+    }
+    case FrameType::kRequest:
+      return OnRequest(frame);
+    case FrameType::kGrant:
+      return OnGrant(frame);
+    case FrameType::kCancel: {
+      RDMARPC_ASSIGN_OR_RETURN(rdma::Cancel cancel, ParseCancel(frame));
+      OnCancel(cancel.call_id());
+      return absl::OkStatus();
+    }
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a client sent frame type ", static_cast<int>(frame.type)));
+  }
+}
+
+void ServerEndpoint::ForgetLocked(uint64_t call_id) {
+  auto it = calls_.find(call_id);
+  if (it == calls_.end()) return;
+  grants_.Forget(it->second->grant_id);
+  calls_.erase(it);
+}
+
+void ServerEndpoint::FailLocked(uint64_t call_id, const Status& status,
+                                bool not_executed) {
+  ResponseHead head;
+  head.set_call_id(call_id);
+  head.set_code(static_cast<int>(status.code()));
+  std::string message(status.message());
+  if (message.size() > limits_.max_status_message_bytes) {
+    message.resize(limits_.max_status_message_bytes);
+  }
+  head.set_message(message);
+  head.set_not_executed(not_executed);
+  auto it = calls_.find(call_id);
+  std::function<void(Status)> sent;
+  if (it != calls_.end() && it->second->state && it->second->state->logged) {
+    sent = SettleWhenSent(it->second->state, status, nullptr);
+  }
+  if (!conn_->SendFrame(FrameType::kResponse, &head, {}, sent).ok() && sent) {
+    sent(absl::UnavailableError("RDMA connection closed"));
+  }
+  ForgetLocked(call_id);
+}
+
+std::function<void(Status)> ServerEndpoint::SettleWhenSent(
+    std::shared_ptr<internal::ServerCallState> state, Status status,
+    std::shared_ptr<std::unique_ptr<Message>> response) {
+  return [dispatcher = dispatcher_, state = std::move(state),
+          status = std::move(status),
+          response = std::move(response)](Status sent) mutable {
+    if (sent.ok()) return dispatcher->Delivered(*state);
+    dispatcher->Undelivered(std::move(state), std::move(status),
+                            response ? std::move(*response) : nullptr);
+  };
+}
+
+Status ServerEndpoint::OnRequest(const FrameView& frame) {
+  Status s = AdmitRequest(frame);
+  ExecuteReady();
+  return s;
+}
+
+Status ServerEndpoint::OnWriteLanded(uint32_t immediate) {
+  Status s = LandWrite(immediate);
+  ExecuteReady();
+  return s;
+}
+
+void ServerEndpoint::ExecuteReady() {
+  std::vector<ReadyCall> ready;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ready.swap(ready_);
+  }
+  for (ReadyCall& c : ready) {
+    dispatcher_->Execute(std::move(c.state), std::move(c.request),
+                         std::move(c.done));
+  }
+}
+
+Status ServerEndpoint::AdmitRequest(const FrameView& frame) {
+  RDMARPC_ASSIGN_OR_RETURN(RequestHead head, ParseRequest(frame, limits_));
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) return absl::OkStatus();
+  uint64_t call_id = head.call_id();
+  if (calls_.contains(call_id)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("call id ", call_id, " is already in flight"));
+  }
+  auto record = std::make_unique<ServerRecord>();
+  ServerRecord& r = *record;
+  calls_.emplace(call_id, std::move(record));
+  const internal::ServerMethod* method = dispatcher_->Find(head.method());
+  if (method == nullptr) {
+    FailLocked(call_id,
+               absl::UnimplementedError(absl::StrCat(
+                   "method ", head.method(), " is not served by this server")));
+    return absl::OkStatus();
+  }
+  r.state =
+      std::make_shared<internal::ServerCallState>(method, TransportKind::kRdma);
+  r.state->peer = peer_;
+  r.state->call_id = call_id;
+  r.state->client_id = client_id_;
+  if (head.timeout_us() > 0) {
+    r.state->deadline = std::chrono::system_clock::now() +
+                        std::chrono::microseconds(head.timeout_us());
+  }
+  for (const Metadata& m : head.metadata()) {
+    r.state->client_metadata.emplace(m.key(), m.value());
+  }
+  auto in = ReceivePayload(
+      head.parts(), frame.inline_bytes, dispatcher_->max_request_tensor_bytes(),
+      {}, method->placement, method->descriptor.request_prototype,
+      {conn_->pd(), gpu_mode_});
+  if (!in.ok()) {
+    FailLocked(call_id, in.status());
+    return absl::OkStatus();
+  }
+  r.in = *std::move(in);
+  // The grant goes to the client's receive buffers: a request it would not
+  // fit is carried over gRPC instead.
+  Status fits = CheckGrantFits(r.in.landing.size(), conn_->max_frame_bytes(),
+                               "the request");
+  if (!fits.ok()) {
+    FailLocked(call_id, fits, /*not_executed=*/true);
+    return absl::OkStatus();
+  }
+  uint64_t landing_bytes = 0;
+  for (const TensorBuffer& b : r.in.landing) landing_bytes += b.size();
+  if (landing_bytes > 0) {
+    auto held = shared_->landing->Reserve(landing_bytes);
+    if (!held.ok()) {
+      FailLocked(call_id, held.status(), /*not_executed=*/true);
+      return absl::OkStatus();
+    }
+    r.landing = *std::move(held);
+  }
+  Status registered = RegisterLandingMemory(&r.in, conn_->pd());
+  if (!registered.ok()) {
+    // Nothing ran: the client may carry the call over gRPC instead.
+    FailLocked(call_id, registered, /*not_executed=*/true);
+    return absl::OkStatus();
+  }
+  if (r.in.landing.empty()) {
+    DispatchLocked(call_id);
+    return absl::OkStatus();
+  }
+  Grant grant = grants_.Issue(call_id, r.in);
+  r.grant_id = grant.grant_id();
+  r.stage = ServerRecord::Stage::kAwaitRequestData;
+  Status granted = conn_->SendFrame(FrameType::kGrant, &grant);
+  // Not run: the client carries the call over gRPC (or, on a closing
+  // connection, re-sends it).
+  if (!granted.ok()) FailLocked(call_id, granted, /*not_executed=*/true);
+  return absl::OkStatus();
+}
+
+Status ServerEndpoint::LandWrite(uint32_t immediate) {
+  std::lock_guard<std::mutex> lock(mu_);
+  RDMARPC_ASSIGN_OR_RETURN(uint64_t call_id, grants_.Redeem(immediate));
+  ServerRecord& r = *calls_.at(call_id);
+  r.grant_id = 0;
+  if (r.stage != ServerRecord::Stage::kAwaitRequestData) {
+    return absl::InvalidArgumentError("write landed for a running call");
+  }
+  DispatchLocked(call_id);
+  return absl::OkStatus();
+}
+
+void ServerEndpoint::DispatchLocked(uint64_t call_id) {
+  ServerRecord& r = *calls_.at(call_id);
+  r.request.reset(r.state->method().descriptor.request_prototype->New());
+  auto accepted = FinishPayload(
+      &r.in, r.request.get(), r.state->method().placement,
+      dispatcher_->max_request_tensor_bytes(), r.request, &r.state->tensors,
+      /*consumer=*/nullptr);
+  if (!accepted.ok()) return FailLocked(call_id, accepted.status());
+  r.stage = ServerRecord::Stage::kRunning;
+  {
+    std::lock_guard<std::mutex> shared_lock(shared_->mu);
+    ++shared_->handlers_running;
+  }
+  ready_.push_back(
+      {r.state, r.request,
+       [self = shared_from_this(), call_id, state = r.state](
+           Status s, std::unique_ptr<Message> response) {
+         self->Respond(call_id, state, std::move(s), std::move(response));
+         std::lock_guard<std::mutex> shared_lock(self->shared_->mu);
+         --self->shared_->handlers_running;
+         self->shared_->cv.notify_all();
+       }});
+}
+
+void ServerEndpoint::Respond(
+    uint64_t call_id, const std::shared_ptr<internal::ServerCallState>& state,
+    Status status, std::unique_ptr<Message> response) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = calls_.find(call_id);
+  if (closed_ || it == calls_.end() || it->second->state != state) {
+    // Disconnected (or cancelled): a logged call's outcome waits for the
+    // client's re-send.
+    if (state->logged) {
+      dispatcher_->Undelivered(state, std::move(status), std::move(response));
+    }
+    return;
+  }
+  ServerRecord& r = *it->second;
+  if (r.state->deadline &&
+      std::chrono::system_clock::now() > *r.state->deadline) {
+    return FailLocked(call_id,
+                      absl::DeadlineExceededError(
+                          "deadline passed before the handler finished"));
+  }
+  if (!status.ok()) return FailLocked(call_id, status);
+  if (r.state->cancelled.load()) {
+    return FailLocked(call_id, absl::CancelledError("call cancelled"));
+  }
+  ResponseHead head;
+  head.set_call_id(call_id);
+  size_t base = kPreambleBytes + head.ByteSizeLong();
+  size_t room =
+      conn_->max_frame_bytes() > base ? conn_->max_frame_bytes() - base : 0;
+  auto out = PlanPayload(*response, r.state->tensors, room, inline_threshold_,
+                         {conn_->pd(), gpu_mode_}, r.state->cuda_stream);
+  if (!out.ok()) {
+    return FailLocked(
+        call_id, absl::InternalError(
+                     absl::StrCat("handler built a response RDMA cannot send: ",
+                                  out.status().message())));
+  }
+  // The client's grant for the written parts comes to our receive buffers.
+  Status fits = CheckGrantFits(out->out_of_band.size(), conn_->receive_bytes(),
+                               "the response");
+  if (!fits.ok()) return FailLocked(call_id, fits);
+  auto sources = RegisterSources(*out, cache_.get(), conn_->pd());
+  if (!sources.ok()) return FailLocked(call_id, sources.status());
+  r.sources = *std::move(sources);
+  for (Part& p : out->parts) *head.add_parts() = std::move(p);
+  out->parts.clear();
+  r.out = *std::move(out);
+  std::function<void(Status)> sent;
+  if (r.sources.empty()) {
+    // Inline only: delivered once the frame is acknowledged.
+    if (state->logged) {
+      sent = SettleWhenSent(
+          state, absl::OkStatus(),
+          std::make_shared<std::unique_ptr<Message>>(std::move(response)));
+    }
+  } else {
+    // Delivered once the client has taken the written parts (OnGrant), or
+    // kept for a re-send when it cannot (here, OnCancel, OnClosed).
+    r.response = std::move(response);
+  }
+  // Fault injection: the connection starts closing just before the
+  // response goes out, so its send fails.
+  if (RDMARPC_FAULT("rdma.server.close_before_response")) {
+    conn_->Close(absl::UnavailableError("fault: closed before the response"),
+                 "fault");
+  }
+  Status queued =
+      conn_->SendFrame(FrameType::kResponse, &head, r.out.inline_parts, sent);
+  if (!queued.ok()) {
+    if (sent) {
+      sent(queued);
+    } else if (state->logged) {
+      dispatcher_->Undelivered(state, absl::OkStatus(), std::move(r.response));
+    }
+  }
+  if (!queued.ok() || r.sources.empty()) {
+    ForgetLocked(call_id);
+    return;
+  }
+  r.stage = ServerRecord::Stage::kAwaitResponseGrant;
+}
+
+Status ServerEndpoint::OnGrant(const FrameView& frame) {
+  RDMARPC_ASSIGN_OR_RETURN(uint64_t call_id, GrantCallId(frame));
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = calls_.find(call_id);
+  if (it == calls_.end() ||
+      it->second->stage != ServerRecord::Stage::kAwaitResponseGrant) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("grant for call ", call_id, ", which expects none"));
+  }
+  ServerRecord& r = *it->second;
+  auto on_written = [weak = std::weak_ptr<ServerEndpoint>(shared_from_this()),
+                     call_id](Status written) {
+    auto self = weak.lock();
+    if (!self) return;
+    std::lock_guard<std::mutex> lock(self->mu_);
+    auto it = self->calls_.find(call_id);
+    if (it == self->calls_.end()) return;
+    ServerRecord& rec = *it->second;
+    if (!written.ok()) rec.write_error = written;
+    if (--rec.writes_pending > 0) return;
+    if (rec.state->logged) {
+      if (rec.write_error.ok()) {
+        self->dispatcher_->Delivered(*rec.state);
+      } else {
+        self->dispatcher_->Undelivered(rec.state, absl::OkStatus(),
+                                       std::move(rec.response));
+      }
+    }
+    self->ForgetLocked(call_id);
+  };
+  RDMARPC_ASSIGN_OR_RETURN(
+      r.writes_pending,
+      WriteGrantedParts(frame, r.out, r.sources, conn_, on_written));
+  r.stage = ServerRecord::Stage::kWritingResponse;
+  return absl::OkStatus();
+}
+
+void ServerEndpoint::OnCancel(uint64_t call_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = calls_.find(call_id);
+  if (it == calls_.end()) return;  // finished already
+  ServerRecord& r = *it->second;
+  if (r.state) r.state->cancelled.store(true);
+  if (r.stage == ServerRecord::Stage::kAwaitResponseGrant && r.state->logged) {
+    // A re-send racing the cancel still gets the outcome.
+    dispatcher_->Undelivered(r.state, absl::OkStatus(), std::move(r.response));
+  }
+  if (r.stage == ServerRecord::Stage::kAwaitRequestData ||
+      r.stage == ServerRecord::Stage::kAwaitResponseGrant) {
+    ForgetLocked(call_id);  // ends the grant, drops the response
+  }
+}
+
+void ServerEndpoint::OnClosed(const Status&) {
+  std::shared_ptr<Connection> conn;
+  std::vector<std::weak_ptr<internal::ServerCallState>> running;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+    for (auto& [id, r] : calls_) {
+      if (!r->state) continue;
+      if (r->state->logged) {
+        // The client re-sends it over gRPC: a running handler goes on, and
+        // a response it could not take (or take whole) is kept for the
+        // re-send; writes still in flight find no call and report nothing.
+        if (r->stage == ServerRecord::Stage::kAwaitResponseGrant ||
+            r->stage == ServerRecord::Stage::kWritingResponse) {
+          dispatcher_->Undelivered(r->state, absl::OkStatus(),
+                                   std::move(r->response));
+        } else if (r->stage == ServerRecord::Stage::kRunning) {
+          running.push_back(r->state);
+        }
+      } else {
+        r->state->cancelled.store(true);
+      }
+    }
+    calls_.clear();
+    grants_.Clear();
+    if (cache_) cache_->Clear();
+    conn = std::move(conn_);
+  }
+  if (conn && conn->broke_protocol()) shared_->protocol_errors.fetch_add(1);
+  std::lock_guard<std::mutex> lock(shared_->mu);
+  std::erase_if(shared_->detached, [](const auto& w) { return w.expired(); });
+  shared_->detached.insert(shared_->detached.end(), running.begin(),
+                           running.end());
+  --shared_->endpoints_open;
+  shared_->cv.notify_all();
+}
+
+}  // namespace rdmarpc::rdma

@@ -1,0 +1,125 @@
+// The server side of one RDMA connection: the state machine of the calls
+// a client runs on it. A request is admitted (landing memory reserved
+// against the server's pool, registered and granted), dispatched once its
+// written parts landed, and answered with the response's small parts in the
+// frame and its large ones written into what the client grants. Every
+// logged call's outcome is reported to the dispatcher as delivered or
+// undelivered (call_log.h), on every path.
+//
+//   auto endpoint = std::make_shared<ServerEndpoint>(dispatcher, shared, ...);
+//   auto conn = Connection::Create(resources, config, endpoint);
+//   endpoint->Attach(*conn);
+//
+// The endpoint's lock guards its calls; the dispatcher's Execute runs with
+// it released (an inline handler responds at once).
+#ifndef RDMARPC_TRANSPORT_RDMA_SERVER_CALLS_H_
+#define RDMARPC_TRANSPORT_RDMA_SERVER_CALLS_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "google/protobuf/message.h"
+#include "runtime/transport.h"
+#include "transport/rdma/connection.h"
+#include "transport/rdma/grant_table.h"
+#include "transport/rdma/landing_pool.h"
+#include "transport/rdma/registration.h"
+#include "transport/rdma/wire.h"
+
+namespace rdmarpc::rdma {
+
+// State the endpoints and the running handlers share with the transport,
+// which may be gone by the time a handler returns.
+struct ServerShared {
+  std::mutex mu;
+  std::condition_variable cv;
+  int handlers_running = 0;
+  int endpoints_open = 0;
+  // Handlers still running for connections that closed (their clients
+  // re-send over gRPC): cancelled at the shutdown deadline like the rest.
+  std::vector<std::weak_ptr<internal::ServerCallState>> detached;
+  std::atomic<uint64_t> accepted{0};
+  std::atomic<uint64_t> refused{0};
+  std::atomic<uint64_t> protocol_errors{0};
+  std::shared_ptr<LandingPool> landing;
+};
+
+struct ServerRecord;
+
+class ServerEndpoint final
+    : public Connection::Handler,
+      public std::enable_shared_from_this<ServerEndpoint> {
+ public:
+  ServerEndpoint(internal::Dispatcher* dispatcher,
+                 std::shared_ptr<ServerShared> shared, uint64_t threshold,
+                 GpuRdmaMode gpu_mode, std::string peer, uint64_t client_id);
+  ~ServerEndpoint() override;
+
+  void Attach(std::shared_ptr<Connection> conn);
+  std::shared_ptr<Connection> connection();
+  // Marks every call cancelled (shutdown past its deadline).
+  void CancelAll();
+
+  Status OnFrame(const FrameView& frame) override;
+  Status OnWriteLanded(uint32_t immediate) override;
+  void OnClosed(const Status& why) override;
+
+  void Respond(uint64_t call_id,
+               const std::shared_ptr<internal::ServerCallState>& state,
+               Status status,
+               std::unique_ptr<google::protobuf::Message> response);
+
+ private:
+  // OnRequest and OnWriteLanded hand the calls that became ready to the
+  // dispatcher once mu_ is released: an inline handler responds at once,
+  // which takes mu_.
+  Status OnRequest(const FrameView& frame);
+  Status AdmitRequest(const FrameView& frame);
+  Status LandWrite(uint32_t immediate);
+  void ExecuteReady();
+  Status OnGrant(const FrameView& frame);
+  void OnCancel(uint64_t call_id);
+  // Parses the landed request and queues it for ExecuteReady. Requires mu_.
+  void DispatchLocked(uint64_t call_id);
+  // Sends an error response and forgets the call. Requires mu_.
+  void FailLocked(uint64_t call_id, const Status& status,
+                  bool not_executed = false);
+  // Tells the dispatcher, once `sent` reports, whether the outcome of a
+  // logged call reached the client (see call_log.h).
+  std::function<void(Status)> SettleWhenSent(
+      std::shared_ptr<internal::ServerCallState> state, Status status,
+      std::shared_ptr<std::unique_ptr<google::protobuf::Message>> response);
+  void ForgetLocked(uint64_t call_id);
+
+  internal::Dispatcher* dispatcher_;
+  std::shared_ptr<ServerShared> shared_;
+  const uint64_t inline_threshold_;
+  const GpuRdmaMode gpu_mode_;
+  const std::string peer_;
+  const uint64_t client_id_;  // from the handshake; 0: calls not logged
+  WireLimits limits_;
+
+  std::mutex mu_;
+  std::shared_ptr<Connection> conn_;
+  std::shared_ptr<RegistrationCache> cache_;
+  bool closed_ = false;
+  std::map<uint64_t, std::unique_ptr<ServerRecord>> calls_;
+  GrantTable grants_;
+  struct ReadyCall {
+    std::shared_ptr<internal::ServerCallState> state;
+    std::shared_ptr<google::protobuf::Message> request;
+    internal::Dispatcher::Completion done;
+  };
+  std::vector<ReadyCall> ready_;  // for ExecuteReady
+};
+
+}  // namespace rdmarpc::rdma
+
+#endif  // RDMARPC_TRANSPORT_RDMA_SERVER_CALLS_H_
