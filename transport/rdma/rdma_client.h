@@ -1,5 +1,7 @@
 // The RDMA client transport: carries a channel's calls over one RDMA
-// connection to the server.
+// connection to the server. This file connects (handshake, then rdma_cm)
+// and watches the connection (deadlines, CM events, a silent server); the
+// calls themselves run in a ClientEndpoint (client_calls.h).
 //
 // Connect() says hello on the server's gRPC port (/rdmarpc.internal.Rdma/
 // Hello): the server answers with its RDMA endpoint, a one-time token and

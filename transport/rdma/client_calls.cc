@@ -1,0 +1,523 @@
+#include "transport/rdma/client_calls.h"
+
+#include <algorithm>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/access.h"
+#include "runtime/completion.h"
+#include "runtime/fault_injection.h"
+#include "transport/rdma/payload.h"
+
+namespace rdmarpc::rdma {
+
+using Clock = std::chrono::system_clock;
+
+// A call between Start and its completion.
+struct ClientRecord {
+  enum class Stage {
+    kAwaitGrant,         // request written once the server grants memory
+    kAwaitResponse,      // request delivered (or being written)
+    kAwaitResponseData,  // response memory granted, server writing
+  };
+  internal::ClientCall call;
+  OutgoingPayload out;
+  std::vector<LocalMemory> sources;  // one per out-of-band part
+  Stage stage = Stage::kAwaitGrant;
+  int writes_pending = 0;
+  // A result decided while the device still reads or writes this call's
+  // memory; delivered once it no longer does.
+  std::optional<Status> deferred;
+  IncomingPayload in;
+  uint32_t grant_id = 0;
+  uint64_t received_bytes = 0;
+  uint64_t response_copied = 0;
+  std::optional<Clock::time_point> deadline;
+  std::chrono::steady_clock::time_point sent_at;
+};
+
+ClientEndpoint::ClientEndpoint(internal::FastPathHooks hooks,
+                               uint64_t server_instance,
+                               uint64_t inline_threshold, GpuRdmaMode gpu_mode,
+                               std::string description)
+    : hooks_(std::move(hooks)),
+      server_instance_(server_instance),
+      inline_threshold_(inline_threshold),
+      gpu_mode_(gpu_mode),
+      description_(std::move(description)) {}
+
+ClientEndpoint::~ClientEndpoint() = default;
+
+void ClientEndpoint::Attach(std::shared_ptr<Connection> conn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  conn_ = std::move(conn);
+  cache_ = RegistrationCache::Create(conn_->pd());
+}
+
+Status ClientEndpoint::health() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return closed_;
+}
+
+size_t ClientEndpoint::outstanding(
+    std::chrono::steady_clock::time_point* last_start) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  *last_start = last_start_;
+  return calls_.size();
+}
+
+void ClientEndpoint::BeginShutdown() {
+  std::lock_guard<std::mutex> lock(mu_);
+  shutting_down_ = true;
+}
+
+void ClientEndpoint::WaitClosed() {
+  std::unique_lock<std::mutex> lock(mu_);
+  closed_cv_.wait(lock, [this] { return on_closed_done_; });
+}
+
+namespace {
+
+class RdmaCanceller final : public internal::CallCanceller {
+ public:
+  RdmaCanceller(std::weak_ptr<ClientEndpoint> endpoint, uint64_t call_id)
+      : endpoint_(std::move(endpoint)), call_id_(call_id) {}
+  void Cancel() override {
+    if (auto ep = endpoint_.lock()) {
+      ep->Cancel(call_id_,
+                 absl::CancelledError("call cancelled by the client"));
+    }
+  }
+
+ private:
+  std::weak_ptr<ClientEndpoint> endpoint_;
+  uint64_t call_id_;
+};
+
+}  // namespace
+
+void ClientEndpoint::Start(internal::ClientCall call) {
+  ClientContext* ctx = call.ctx;
+  RequestHead head;
+  head.set_call_id(call.call_id);
+  head.set_method(call.method);
+  if (ctx->deadline()) {
+    auto left = std::chrono::duration_cast<std::chrono::microseconds>(
+        *ctx->deadline() - Clock::now());
+    head.set_timeout_us(std::max<int64_t>(1, left.count()));
+  }
+  for (const auto& [k, v] : ctx->metadata()) {
+    Metadata* m = head.add_metadata();
+    m->set_key(k);
+    m->set_value(v);
+  }
+  std::shared_ptr<Connection> conn;
+  std::shared_ptr<RegistrationCache> cache;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!closed_.ok()) {
+      std::string why =
+          absl::StrCat("RDMA connection lost (", closed_.message(), ")");
+      return hooks_.reroute(std::move(call), why);
+    }
+    conn = conn_;
+    cache = cache_;
+  }
+  size_t base = kPreambleBytes + head.ByteSizeLong();
+  size_t room =
+      conn->max_frame_bytes() > base ? conn->max_frame_bytes() - base : 0;
+  auto payload =
+      PlanPayload(*call.request, ctx->tensors(), room, inline_threshold_,
+                  {conn->pd(), gpu_mode_}, ctx->cuda_stream());
+  if (!payload.ok()) {
+    if (payload.status().code() != StatusCode::kInvalidArgument) {
+      // Memory RDMA could not reach (pinned staging exhausted, a CUDA
+      // error): gRPC may still carry the call.
+      return hooks_.reroute(std::move(call),
+                            std::string(payload.status().message()));
+    }
+    auto done = std::move(call.done);
+    return done(payload.status());
+  }
+  // The server's grant for the written parts comes to our receive buffers,
+  // and it takes at most WireLimits::max_parts: gRPC carries a bigger call.
+  Status fits = CheckGrantFits(payload->out_of_band.size(),
+                               conn->receive_bytes(), "the request");
+  if (fits.ok() && payload->parts.size() > WireLimits{}.max_parts) {
+    fits = absl::ResourceExhaustedError(absl::StrCat(
+        "the request has ", payload->parts.size(),
+        " parts; RDMA takes at most ", WireLimits{}.max_parts, " per call"));
+  }
+  if (!fits.ok()) {
+    return hooks_.reroute(std::move(call), std::string(fits.message()));
+  }
+  auto record = std::make_unique<ClientRecord>();
+  auto sources = RegisterSources(*payload, cache.get(), conn->pd());
+  if (!sources.ok()) {
+    return hooks_.reroute(std::move(call),
+                          absl::StrCat("RDMA ", sources.status().message()));
+  }
+  record->sources = *std::move(sources);
+  for (Part& p : payload->parts) *head.add_parts() = std::move(p);
+  payload->parts.clear();
+  record->out = *std::move(payload);
+  record->stage = record->sources.empty() ? ClientRecord::Stage::kAwaitResponse
+                                          : ClientRecord::Stage::kAwaitGrant;
+  record->deadline = ctx->deadline();
+  record->sent_at = std::chrono::steady_clock::now();
+  CallStats* stats = internal::ClientContextAccess::mutable_stats(ctx);
+  stats->transport = TransportKind::kRdma;
+  stats->tensor_bytes_sent = record->out.tensor_bytes;
+  stats->gpu_rdma_mode = record->out.gpu_mode;
+  stats->gpu_rdma_reason = record->out.gpu_reason;
+  uint64_t call_id = call.call_id;
+  std::vector<std::span<const uint8_t>> inline_parts = record->out.inline_parts;
+  record->call = std::move(call);
+  if (!internal::ClientContextAccess::AttachCanceller(
+          ctx, std::make_shared<RdmaCanceller>(shared_from_this(), call_id))) {
+    auto done = std::move(record->call.done);
+    return done(absl::CancelledError("call cancelled before start"));
+  }
+  std::vector<Outcome> outcomes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    bool cancelled = early_cancels_.erase(call_id) > 0;
+    last_start_ = std::chrono::steady_clock::now();
+    calls_.emplace(call_id, std::move(record));
+    conn->calls_waiting.fetch_add(1);
+    if (cancelled) {
+      FinishLocked(call_id, absl::CancelledError("call cancelled"), &outcomes);
+    } else {
+      Status sent = conn->SendFrame(FrameType::kRequest, &head, inline_parts);
+      if (!sent.ok()) {
+        // Nothing reached the server: gRPC may carry it.
+        FinishLocked(call_id, sent, &outcomes, Outcome::Next::kReroute);
+      }
+    }
+  }
+  Complete(std::move(outcomes));
+}
+
+Status ClientEndpoint::AcceptResponse(ClientRecord& r) {
+  ClientContext* ctx = r.call.ctx;
+  internal::ConsumerStream consumer{ctx->cuda_stream()};
+  auto result =
+      FinishPayload(&r.in, r.call.response, ctx->response_placement(),
+                    r.call.max_response_tensor_bytes, nullptr, &ctx->tensors(),
+                    ctx->has_cuda_stream() ? &consumer : nullptr);
+  if (!result.ok()) return result.status();
+  r.received_bytes = result->total_bytes;
+  r.response_copied = result->cpu_copied_bytes;
+  return absl::OkStatus();
+}
+
+void ClientEndpoint::SendCancelLocked(uint64_t call_id) {
+  rdma::Cancel cancel;
+  cancel.set_call_id(call_id);
+  // Fails only on a closing connection, whose close ends the call on both
+  // sides.
+  Status sent = conn_->SendFrame(FrameType::kCancel, &cancel);
+  if (!sent.ok() && !conn_->closed()) conn_->Close(sent, "cancel not sent");
+}
+
+void ClientEndpoint::Cancel(uint64_t call_id, Status why) {
+  std::vector<Outcome> outcomes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = calls_.find(call_id);
+    if (!closed_.ok()) return;
+    if (it == calls_.end()) {
+      // Cancelled between AttachCanceller and the send (or just finished).
+      early_cancels_.insert(call_id);
+      return;
+    }
+    ClientRecord& r = *it->second;
+    if (r.stage == ClientRecord::Stage::kAwaitResponseData) {
+      // The server is writing into this call's memory: finish when done.
+      if (!r.deferred) r.deferred = std::move(why);
+      return;
+    }
+    SendCancelLocked(call_id);
+    FinishLocked(call_id, std::move(why), &outcomes);
+  }
+  Complete(std::move(outcomes));
+}
+
+std::chrono::milliseconds ClientEndpoint::ExpireDeadlines() {
+  auto now = Clock::now();
+  auto next = now + std::chrono::milliseconds(50);
+  std::vector<uint64_t> expired;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, r] : calls_) {
+      if (!r->deadline || r->deferred) continue;
+      if (*r->deadline <= now) {
+        expired.push_back(id);
+      } else {
+        next = std::min(next, *r->deadline);
+      }
+    }
+  }
+  for (uint64_t id : expired) {
+    Cancel(id, absl::DeadlineExceededError("deadline exceeded"));
+  }
+  return std::max(std::chrono::milliseconds(1),
+                  std::chrono::duration_cast<std::chrono::milliseconds>(
+                      next - Clock::now()));
+}
+
+void ClientEndpoint::FinishLocked(uint64_t call_id, Status status,
+                                  std::vector<Outcome>* outcomes,
+                                  Outcome::Next next) {
+  auto it = calls_.find(call_id);
+  if (it == calls_.end()) return;
+  ClientRecord& r = *it->second;
+  if (r.writes_pending > 0) {
+    if (!r.deferred) r.deferred = std::move(status);
+    return;
+  }
+  grants_.Forget(r.grant_id);
+  if (conn_) conn_->calls_waiting.fetch_sub(1);
+  outcomes->push_back({std::move(it->second), std::move(status), next});
+  calls_.erase(it);
+}
+
+void ClientEndpoint::Complete(std::vector<Outcome> outcomes) {
+  if (outcomes.empty()) return;
+  // Registrations in the records belong to the connection's protection
+  // domain, which must outlive them.
+  std::shared_ptr<Connection> keep;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    keep = conn_;
+  }
+  for (Outcome& o : outcomes) {
+    ClientRecord& r = *o.record;
+    ClientContext* ctx = r.call.ctx;
+    internal::ClientContextAccess::DetachCanceller(ctx);
+    if (o.next == Outcome::Next::kReroute) {
+      hooks_.reroute(std::move(r.call), absl::StrCat("RDMA could not send it (",
+                                                     o.status.message(), ")"));
+      continue;
+    }
+    if (o.next == Outcome::Next::kResend) {
+      r.call.resend = internal::ClientCall::Resend{hooks_.client_id,
+                                                   server_instance_, r.sent_at};
+      hooks_.reroute(
+          std::move(r.call),
+          absl::StrCat("RDMA connection lost with the call in "
+                       "flight (",
+                       o.status.message(), "); re-sent with the same call id"));
+      continue;
+    }
+    CallStats* stats = internal::ClientContextAccess::mutable_stats(ctx);
+    stats->tensor_bytes_received = r.received_bytes;
+    stats->cpu_copied_bytes += r.out.cpu_copied_bytes + r.response_copied;
+    if (r.call.done_runs_inline) {
+      r.call.done(std::move(o.status));
+      continue;
+    }
+    internal::RunOnCallbackThread(
+        [done = std::move(r.call.done), status = std::move(o.status)] {
+          done(status);
+        });
+  }
+  outcomes.clear();
+}
+
+Status ClientEndpoint::OnFrame(const FrameView& frame) {
+  std::vector<Outcome> outcomes;
+  Status s;
+  switch (frame.type) {
+    case FrameType::kGrant:
+      s = OnGrant(frame, &outcomes);
+      break;
+    case FrameType::kResponse:
+      s = OnResponse(frame, &outcomes);
+      break;
+    case FrameType::kPong:
+      s = ParsePing(frame).status();  // hearing it is the point
+      break;
+    default:
+      s = absl::InvalidArgumentError(absl::StrCat(
+          "a server sent frame type ", static_cast<int>(frame.type)));
+  }
+  Complete(std::move(outcomes));
+  return s;
+}
+
+Status ClientEndpoint::OnGrant(const FrameView& frame,
+                               std::vector<Outcome>* outcomes) {
+  RDMARPC_ASSIGN_OR_RETURN(uint64_t call_id, GrantCallId(frame));
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = calls_.find(call_id);
+  if (it == calls_.end()) return absl::OkStatus();  // cancelled meanwhile
+  ClientRecord& r = *it->second;
+  if (r.stage != ClientRecord::Stage::kAwaitGrant) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("grant for call ", call_id, ", which expects none"));
+  }
+  auto on_written = [weak = std::weak_ptr<ClientEndpoint>(shared_from_this()),
+                     call_id](Status) {
+    auto ep = weak.lock();
+    if (!ep) return;
+    std::vector<Outcome> done;
+    {
+      std::lock_guard<std::mutex> lock(ep->mu_);
+      auto it = ep->calls_.find(call_id);
+      if (it == ep->calls_.end()) return;
+      ClientRecord& rec = *it->second;
+      // A failed write means the connection failed: OnClosed follows and
+      // re-sends the call, so the error itself decides nothing here.
+      --rec.writes_pending;
+      if (rec.writes_pending == 0 && rec.deferred) {
+        ep->FinishLocked(call_id, *rec.deferred, &done);
+      }
+    }
+    ep->Complete(std::move(done));
+  };
+  RDMARPC_ASSIGN_OR_RETURN(
+      r.writes_pending,
+      WriteGrantedParts(frame, r.out, r.sources, conn_, on_written));
+  r.stage = ClientRecord::Stage::kAwaitResponse;
+  return absl::OkStatus();
+}
+
+Status ClientEndpoint::OnResponse(const FrameView& frame,
+                                  std::vector<Outcome>* outcomes) {
+  RDMARPC_ASSIGN_OR_RETURN(ResponseHead head, ParseResponse(frame, limits_));
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = calls_.find(head.call_id());
+  if (it == calls_.end()) {
+    // Cancelled meanwhile: a server waiting for a grant must hear it.
+    for (const Part& p : head.parts()) {
+      if (p.out_of_band()) {
+        SendCancelLocked(head.call_id());
+        break;
+      }
+    }
+    return absl::OkStatus();
+  }
+  ClientRecord& r = *it->second;
+  if (r.stage == ClientRecord::Stage::kAwaitResponseData) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("second response for call ", head.call_id()));
+  }
+  if (head.code() != 0) {
+    bool not_sent =
+        r.stage == ClientRecord::Stage::kAwaitGrant && head.not_executed();
+    FinishLocked(head.call_id(),
+                 Status(static_cast<StatusCode>(head.code()), head.message()),
+                 outcomes,
+                 not_sent ? Outcome::Next::kReroute : Outcome::Next::kComplete);
+    return absl::OkStatus();
+  }
+  if (r.stage == ClientRecord::Stage::kAwaitGrant) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "response for call ", head.call_id(), " before its request arrived"));
+  }
+  ClientContext* ctx = r.call.ctx;
+  auto in = ReceivePayload(
+      head.parts(), frame.inline_bytes, r.call.max_response_tensor_bytes,
+      ctx->response_tensor_buffers(), ctx->response_placement(), nullptr,
+      {conn_->pd(), gpu_mode_});
+  if (in.ok()) {
+    Status registered = RegisterLandingMemory(&*in, conn_->pd());
+    if (!registered.ok()) in = registered;
+  }
+  if (!in.ok()) {
+    for (const Part& p : head.parts()) {
+      if (p.out_of_band()) {
+        SendCancelLocked(head.call_id());
+        break;
+      }
+    }
+    FinishLocked(head.call_id(), in.status(), outcomes);
+    return absl::OkStatus();
+  }
+  r.in = *std::move(in);
+  if (!r.in.gpu_mode.empty()) {
+    internal::ClientContextAccess::mutable_stats(ctx)->gpu_rdma_mode =
+        r.in.gpu_mode;
+    internal::ClientContextAccess::mutable_stats(ctx)->gpu_rdma_reason =
+        r.in.gpu_reason;
+  }
+  if (r.in.landing.empty()) {
+    FinishLocked(head.call_id(), AcceptResponse(r), outcomes);
+    return absl::OkStatus();
+  }
+  Grant grant = grants_.Issue(head.call_id(), r.in);
+  r.grant_id = grant.grant_id();
+  r.stage = ClientRecord::Stage::kAwaitResponseData;
+  Status sent = conn_->SendFrame(FrameType::kGrant, &grant);
+  if (!sent.ok()) {
+    // The server would wait for this grant: tell it the call is over.
+    SendCancelLocked(head.call_id());
+    r.stage = ClientRecord::Stage::kAwaitResponse;
+    FinishLocked(head.call_id(), sent, outcomes);
+  }
+  return absl::OkStatus();
+}
+
+Status ClientEndpoint::OnWriteLanded(uint32_t immediate) {
+  std::vector<Outcome> outcomes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    RDMARPC_ASSIGN_OR_RETURN(uint64_t call_id, grants_.Redeem(immediate));
+    ClientRecord& r = *calls_.at(call_id);
+    r.grant_id = 0;
+    Status accepted = AcceptResponse(r);
+    Status status = r.deferred ? *r.deferred : accepted;
+    r.deferred.reset();
+    FinishLocked(call_id, status, &outcomes);
+  }
+  Complete(std::move(outcomes));
+  return absl::OkStatus();
+}
+
+void ClientEndpoint::OnClosed(const Status& why) {
+  std::vector<Outcome> outcomes;
+  std::shared_ptr<Connection> conn;
+  bool resend = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = why;
+    resend = !shutting_down_;
+    conn = conn_;
+  }
+  // The channel stops routing here before the calls come back to it.
+  if (resend && hooks_.lost) {
+    hooks_.lost(why, conn ? conn->close_trigger() : "connection closed");
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // The queue pair is gone: nothing writes into these calls' memory.
+    for (auto& [id, r] : calls_) r->writes_pending = 0;
+    auto now = Clock::now();
+    while (!calls_.empty()) {
+      ClientRecord& r = *calls_.begin()->second;
+      uint64_t id = calls_.begin()->first;
+      if (r.deferred) {
+        Status decided = *r.deferred;  // cancelled or expired already
+        FinishLocked(id, decided, &outcomes);
+      } else if (r.deadline && *r.deadline <= now) {
+        FinishLocked(id, absl::DeadlineExceededError("deadline exceeded"),
+                     &outcomes);
+      } else {
+        FinishLocked(
+            id, why, &outcomes,
+            resend ? Outcome::Next::kResend : Outcome::Next::kComplete);
+      }
+    }
+  }
+  Complete(std::move(outcomes));
+  std::lock_guard<std::mutex> lock(mu_);
+  if (cache_) cache_->Clear();
+  conn_.reset();
+  // `conn` (and its protection domain) goes after the registrations.
+  on_closed_done_ = true;
+  closed_cv_.notify_all();
+}
+
+}  // namespace rdmarpc::rdma

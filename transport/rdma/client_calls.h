@@ -1,0 +1,114 @@
+// The client side of one RDMA connection: the state machine of a
+// channel's calls on it. A call's request goes as a frame with its small
+// parts inline; its large parts are written once the server grants memory.
+// The response comes back the same way into memory this side grants. When
+// the connection closes, each call in flight is re-sent over gRPC through
+// the channel's hooks (or rerouted, when nothing reached a handler), or
+// failed when the channel is going away.
+//
+//   auto endpoint = std::make_shared<ClientEndpoint>(hooks, ...);
+//   endpoint->Attach(conn);          // conn created with endpoint as handler
+//   endpoint->Start(std::move(call));
+//
+// Callbacks run with the endpoint's lock released.
+#ifndef RDMARPC_TRANSPORT_RDMA_CLIENT_CALLS_H_
+#define RDMARPC_TRANSPORT_RDMA_CLIENT_CALLS_H_
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "runtime/transport.h"
+#include "transport/rdma/connection.h"
+#include "transport/rdma/grant_table.h"
+#include "transport/rdma/registration.h"
+#include "transport/rdma/wire.h"
+
+namespace rdmarpc::rdma {
+
+struct ClientRecord;
+
+// What to do with a call once the endpoint's lock is released.
+struct Outcome {
+  enum class Next {
+    kComplete,  // run the callback with `status`
+    kReroute,   // nothing reached a handler: gRPC carries it
+    kResend,    // the connection failed with it in flight: re-send
+  };
+  std::unique_ptr<ClientRecord> record;
+  Status status;
+  Next next = Next::kComplete;
+};
+
+class ClientEndpoint final
+    : public Connection::Handler,
+      public std::enable_shared_from_this<ClientEndpoint> {
+ public:
+  ClientEndpoint(internal::FastPathHooks hooks, uint64_t server_instance,
+                 uint64_t inline_threshold, GpuRdmaMode gpu_mode,
+                 std::string description);
+  ~ClientEndpoint() override;
+
+  void Attach(std::shared_ptr<Connection> conn);
+  Status health() const;
+  // Calls outstanding, and when the last one started (for the silence
+  // check).
+  size_t outstanding(std::chrono::steady_clock::time_point* last_start) const;
+  // From now on a closing connection fails its calls instead of re-sending
+  // them (the channel is going away).
+  void BeginShutdown();
+  // Returns once OnClosed has run.
+  void WaitClosed();
+
+  void Start(internal::ClientCall call);
+  void Cancel(uint64_t call_id, Status why);
+  // Cancels calls past their deadline; returns how long until the next.
+  std::chrono::milliseconds ExpireDeadlines();
+
+  Status OnFrame(const FrameView& frame) override;
+  Status OnWriteLanded(uint32_t immediate) override;
+  void OnClosed(const Status& why) override;
+
+ private:
+  Status OnGrant(const FrameView& frame, std::vector<Outcome>* outcomes);
+  Status OnResponse(const FrameView& frame, std::vector<Outcome>* outcomes);
+  // Removes the call and queues its completion (or defers it while writes
+  // are pending). Requires mu_.
+  void FinishLocked(uint64_t call_id, Status status,
+                    std::vector<Outcome>* outcomes,
+                    Outcome::Next next = Outcome::Next::kComplete);
+  void Complete(std::vector<Outcome> outcomes);
+  void SendCancelLocked(uint64_t call_id);
+  // Once every response part is in: binds the response and its tensors,
+  // ordered before the caller's CUDA stream when it named one.
+  static Status AcceptResponse(ClientRecord& r);
+
+  const internal::FastPathHooks hooks_;
+  const uint64_t server_instance_;
+  const uint64_t inline_threshold_;
+  const GpuRdmaMode gpu_mode_;
+  const std::string description_;
+  WireLimits limits_;
+
+  mutable std::mutex mu_;
+  std::shared_ptr<Connection> conn_;
+  std::shared_ptr<RegistrationCache> cache_;
+  Status closed_;
+  std::map<uint64_t, std::unique_ptr<ClientRecord>> calls_;
+  GrantTable grants_;
+  std::set<uint64_t> early_cancels_;
+  std::chrono::steady_clock::time_point last_start_;
+  bool shutting_down_ = false;
+  bool on_closed_done_ = false;
+  std::condition_variable closed_cv_;
+};
+
+}  // namespace rdmarpc::rdma
+
+#endif  // RDMARPC_TRANSPORT_RDMA_CLIENT_CALLS_H_
