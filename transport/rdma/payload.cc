@@ -18,15 +18,6 @@ constexpr size_t kPartHeadBytes = 16;
 // copy of one chunk overlaps the write of the one before.
 constexpr size_t kStagingChunk = size_t{4} << 20;
 
-// The mode for GPU `index`; a mode that cannot work gives staging, with why.
-GpuRdmaChoice ModeFor(int index, const GpuAccess& gpu) {
-  auto choice = ChooseGpuRdmaMode(index, gpu.pd, gpu.requested);
-  if (choice.ok()) return *std::move(choice);
-  return GpuRdmaChoice{
-      GpuRdmaMode::kStaging,
-      absl::StrCat(choice.status().message(), "; staging instead")};
-}
-
 std::span<const uint8_t> Bytes(const void* data, size_t size) {
   return {static_cast<const uint8_t*>(data), size};
 }
@@ -51,8 +42,7 @@ StatusOr<OutgoingPayload> PlanPayload(const google::protobuf::Message& msg,
   size_t head_reserve = (plan.tensors.size() + 1) * kPartHeadBytes;
   size_t room = frame_room > head_reserve ? frame_room - head_reserve : 0;
   out.staged.reserve(plan.tensors.size());
-  auto add = [&](OutgoingPayload::Source source, bool may_inline,
-                 bool in_message) {
+  auto add = [&](PartSource source, bool may_inline, bool in_message) {
     Part part;
     part.set_size(source.size);
     if (in_message) {
@@ -74,17 +64,19 @@ StatusOr<OutgoingPayload> PlanPayload(const google::protobuf::Message& msg,
     out.fence_gpu = index;
     return absl::OkStatus();
   };
-  add({out.message->data(), out.message->size(), Device::Host()}, true, false);
+  const MoverChoice host = ChooseMover(Device::Host(), gpu);
+  add({out.message->data(), out.message->size(), host.mover}, true, false);
   for (size_t i = 0; i < plan.tensors.size(); ++i) {
     const internal::OutgoingTensor& t = plan.tensors[i];
     if (!t.out_of_band) {
-      add({nullptr, t.size, Device::Host()}, false, true);
+      add({nullptr, t.size, host.mover}, false, true);
       continue;
     }
     bool may_inline = t.size <= inline_threshold && t.size <= room;
-    OutgoingPayload::Source source{t.buffer.data(), t.size, Device::Host()};
+    PartSource source{t.buffer.data(), t.size, host.mover};
     const Device device = t.buffer.device();
     if (device.is_cuda() && may_inline) {
+      // Into the frame: copied out now, after the producer's work.
       std::string& copy = out.staged.emplace_back(t.size, '\0');
       RDMARPC_RETURN_IF_ERROR(fence_for(device.index));
       RDMARPC_RETURN_IF_ERROR(out.fence->Wait());
@@ -93,20 +85,12 @@ StatusOr<OutgoingPayload> PlanPayload(const google::protobuf::Message& msg,
       source.data = copy.data();
     } else if (device.is_cuda()) {
       RDMARPC_RETURN_IF_ERROR(fence_for(device.index));
-      GpuRdmaChoice c = ModeFor(device.index, gpu);
-      if (c.mode == GpuRdmaMode::kStaging) {
-        RDMARPC_ASSIGN_OR_RETURN(TensorBuffer pinned,
-                                 internal::AllocatePinnedStaging(t.size));
-        source.data = pinned.data();
-        source.staged_from = t.buffer.data();
-        source.gpu = device.index;
-        out.keep.push_back(std::move(pinned));
-      } else {
-        source.device = device;
-        source.mode = c.mode;
-      }
-      out.gpu_mode = GpuRdmaModeName(c.mode);
-      out.gpu_reason = std::move(c.reason);
+      MoverChoice c = ChooseMover(device, gpu);
+      source.mover = c.mover;
+      RDMARPC_RETURN_IF_ERROR(
+          c.mover->PrepareSource(t.buffer, &source, &out.keep));
+      out.gpu_mode = std::move(c.gpu_mode);
+      out.gpu_reason = std::move(c.gpu_reason);
     }
     add(source, may_inline, false);
     if (may_inline) out.cpu_copied_bytes += t.size;
@@ -120,18 +104,9 @@ StatusOr<std::vector<LocalMemory>> RegisterSources(const OutgoingPayload& out,
                                                    ibv_pd* pd) {
   std::vector<LocalMemory> sources;
   sources.reserve(out.out_of_band.size());
-  for (const OutgoingPayload::Source& src : out.out_of_band) {
-    if (src.device.is_cuda()) {
-      RDMARPC_ASSIGN_OR_RETURN(
-          MemoryRegion mr,
-          RegisterGpuMemory(pd, const_cast<void*>(src.data), src.size, src.mode,
-                            IBV_ACCESS_LOCAL_WRITE));
-      auto shared = std::make_shared<MemoryRegion>(std::move(mr));
-      sources.push_back(LocalMemory{(*shared)->lkey, shared, false});
-      continue;
-    }
+  for (const PartSource& src : out.out_of_band) {
     RDMARPC_ASSIGN_OR_RETURN(LocalMemory mem,
-                             cache->ForSend(src.data, src.size));
+                             src.mover->RegisterSource(src, cache, pd));
     sources.push_back(std::move(mem));
   }
   return sources;
@@ -199,7 +174,7 @@ int WriteGpuOrdered(const Grant& grant, const OutgoingPayload& out,
   const int gpu = out.fence_gpu;
   int counted = 0;
   for (int k = 0; k < grant.regions_size(); ++k) {
-    const OutgoingPayload::Source& src = out.out_of_band[k];
+    const PartSource& src = out.out_of_band[k];
     Connection::WriteRequest w = PartWrite(grant, k, out, sources);
     const bool last_part = k + 1 == grant.regions_size();
     Status queued;
@@ -333,54 +308,32 @@ StatusOr<IncomingPayload> ReceivePayload(
       supplied_buffer = s.Slice(0, p.size());
       device = s.device();
     }
-    TensorBuffer landing;
-    GpuRdmaMode mode = GpuRdmaMode::kStaging;
-    TensorBuffer staged_to;
+    MoverChoice c = ChooseMover(device, gpu);
     if (device.is_cuda()) {
-      GpuRdmaChoice c = ModeFor(device.index, gpu);
-      mode = c.mode;
-      in.gpu_mode = GpuRdmaModeName(c.mode);
-      in.gpu_reason = std::move(c.reason);
-      if (mode == GpuRdmaMode::kStaging) {
-        RDMARPC_ASSIGN_OR_RETURN(landing,
-                                 internal::AllocatePinnedStaging(p.size()));
-        staged_to = std::move(supplied_buffer);
-      } else if (!supplied_buffer.empty()) {
-        landing = std::move(supplied_buffer);
-      } else {
-        RDMARPC_ASSIGN_OR_RETURN(
-            landing, internal::AllocateGpuLanding(device.index, p.size()));
-      }
-    } else if (!supplied_buffer.empty()) {
-      landing = std::move(supplied_buffer);
-    } else {
-      RDMARPC_ASSIGN_OR_RETURN(landing, TensorBuffer::Allocate(p.size()));
+      in.gpu_mode = std::move(c.gpu_mode);
+      in.gpu_reason = std::move(c.gpu_reason);
     }
+    TensorBuffer staged_to;
+    RDMARPC_ASSIGN_OR_RETURN(
+        TensorBuffer landing,
+        c.mover->AllocateLanding(device, p.size(), std::move(supplied_buffer),
+                                 &staged_to));
+    const bool staged =
+        device.is_cuda() && c.mover->mode() == GpuRdmaMode::kStaging;
     in.landing.push_back(std::move(landing));
     in.landing_part.push_back(i);
-    in.landing_modes.push_back(mode);
+    in.landing_movers.push_back(c.mover);
     in.staged_to.push_back(std::move(staged_to));
-    in.staged_device.push_back(device.is_cuda() && mode == GpuRdmaMode::kStaging
-                                   ? device
-                                   : Device::Host());
+    in.staged_device.push_back(staged ? device : Device::Host());
   }
   return in;
 }
 
 Status RegisterLandingMemory(IncomingPayload* in, ibv_pd* pd) {
   for (size_t k = 0; k < in->landing.size(); ++k) {
-    const TensorBuffer& landing = in->landing[k];
-    if (landing.device().is_cuda()) {
-      RDMARPC_ASSIGN_OR_RETURN(
-          MemoryRegion mr,
-          RegisterGpuMemory(pd, landing.data(), landing.size(),
-                            in->landing_modes[k],
-                            IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE));
-      in->landing_mrs.push_back(std::move(mr));
-      continue;
-    }
     RDMARPC_ASSIGN_OR_RETURN(
-        MemoryRegion mr, RegisterLanding(pd, landing.data(), landing.size()));
+        MemoryRegion mr,
+        in->landing_movers[k]->RegisterLanding(pd, in->landing[k]));
     in->landing_mrs.push_back(std::move(mr));
   }
   return absl::OkStatus();
@@ -426,14 +379,9 @@ StatusOr<internal::IncomingResult> FinishPayload(
   };
   std::vector<Staged> staged;
   for (size_t k = 0; k < in->landing.size(); ++k) {
+    RDMARPC_RETURN_IF_ERROR(in->landing_movers[k]->AfterLanded(in->landing[k]));
     const Device to = in->staged_device[k];
-    if (!to.is_cuda()) {
-      if (in->landing[k].device().is_cuda()) {
-        RDMARPC_RETURN_IF_ERROR(
-            internal::CudaFlushRdmaWrites(in->landing[k].device().index));
-      }
-      continue;
-    }
+    if (!to.is_cuda()) continue;
     TensorBuffer dst = std::move(in->staged_to[k]);
     if (dst.empty()) {
       RDMARPC_ASSIGN_OR_RETURN(

@@ -30,18 +30,12 @@
 #include "runtime/codec.h"
 #include "runtime/cuda_support.h"
 #include "transport/rdma/connection.h"
-#include "transport/rdma/gpu_registration.h"
+#include "transport/rdma/payload_mover.h"
 #include "transport/rdma/rdma_frame.pb.h"
 #include "transport/rdma/registration.h"
 #include "transport/rdma/verbs.h"
 
 namespace rdmarpc::rdma {
-
-// What the payload code needs to reach GPU memory on one connection.
-struct GpuAccess {
-  ibv_pd* pd = nullptr;
-  GpuRdmaMode requested = GpuRdmaMode::kAuto;
-};
 
 struct OutgoingPayload {
   // Part 0, the serialized message; on the heap so that the spans below
@@ -52,18 +46,7 @@ struct OutgoingPayload {
   // into `message`, into bound buffers or into `staged`.
   std::vector<std::span<const uint8_t>> inline_parts;
   // Parts that travel by RDMA WRITE, in part order.
-  struct Source {
-    const void* data = nullptr;  // what the NIC reads
-    uint64_t size = 0;
-    // Where `data` lies: host memory (perhaps a pinned staging buffer), or
-    // a GPU reached in the direct mode `mode`.
-    Device device;
-    GpuRdmaMode mode = GpuRdmaMode::kStaging;
-    // Staging: the GPU bytes copied into `data` once the grant is in.
-    const void* staged_from = nullptr;
-    int gpu = -1;
-  };
-  std::vector<Source> out_of_band;
+  std::vector<PartSource> out_of_band;
   std::vector<TensorBuffer> keep;   // the bound buffers, alive until done
   std::vector<std::string> staged;  // device bytes copied for the frame
   uint64_t tensor_bytes = 0;
@@ -87,8 +70,9 @@ struct OutgoingPayload {
     size_t frame_room, uint64_t inline_threshold, const GpuAccess& gpu,
     void* cuda_stream);
 
-// Registrations for the out-of-band parts of `out`, in order: host memory
-// through `cache`, GPU memory in its direct mode (for this use only).
+// Registrations for the out-of-band parts of `out`, in order, each by its
+// mover: host memory through `cache`, GPU memory in its direct mode (for
+// this use only).
 [[nodiscard]] StatusOr<std::vector<LocalMemory>> RegisterSources(
     const OutgoingPayload& out, RegistrationCache* cache, ibv_pd* pd);
 
@@ -121,9 +105,8 @@ struct IncomingPayload {
   std::vector<TensorBuffer> landing;
   std::vector<size_t> landing_part;
   std::vector<MemoryRegion> landing_mrs;
-  // Per landing: kStaging for host memory, else the direct mode of the GPU
-  // it lies on.
-  std::vector<GpuRdmaMode> landing_modes;
+  // Per landing: how its bytes move (payload_mover.h).
+  std::vector<const PayloadMover*> landing_movers;
   // Per landing: for a pinned staging buffer, the GPU buffer the bytes go
   // to once they landed (empty: allocate one on `staged_device`).
   std::vector<TensorBuffer> staged_to;

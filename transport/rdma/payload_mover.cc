@@ -1,0 +1,140 @@
+#include "transport/rdma/payload_mover.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/cuda_support.h"
+#include "transport/rdma/gpu_registration.h"
+
+namespace rdmarpc::rdma {
+namespace {
+
+class HostMover final : public PayloadMover {
+ public:
+  GpuRdmaMode mode() const override { return GpuRdmaMode::kStaging; }
+
+  Status PrepareSource(const TensorBuffer& buffer, PartSource* source,
+                       std::vector<TensorBuffer>*) const override {
+    source->data = buffer.data();
+    return absl::OkStatus();
+  }
+  StatusOr<LocalMemory> RegisterSource(const PartSource& source,
+                                       RegistrationCache* cache,
+                                       ibv_pd*) const override {
+    return cache->ForSend(source.data, source.size);
+  }
+
+  StatusOr<TensorBuffer> AllocateLanding(Device, uint64_t size,
+                                         TensorBuffer supplied,
+                                         TensorBuffer*) const override {
+    if (!supplied.empty()) return supplied;
+    return TensorBuffer::Allocate(size);
+  }
+  StatusOr<MemoryRegion> RegisterLanding(
+      ibv_pd* pd, const TensorBuffer& landing) const override {
+    return rdma::RegisterLanding(pd, landing.data(), landing.size());
+  }
+  Status AfterLanded(const TensorBuffer&) const override {
+    return absl::OkStatus();
+  }
+};
+
+// dma-buf or peer-memory: the NIC reads and writes GPU memory itself.
+class GpuDirectMover final : public PayloadMover {
+ public:
+  explicit GpuDirectMover(GpuRdmaMode mode) : mode_(mode) {}
+  GpuRdmaMode mode() const override { return mode_; }
+
+  Status PrepareSource(const TensorBuffer& buffer, PartSource* source,
+                       std::vector<TensorBuffer>*) const override {
+    source->data = buffer.data();
+    return absl::OkStatus();
+  }
+  StatusOr<LocalMemory> RegisterSource(const PartSource& source,
+                                       RegistrationCache*,
+                                       ibv_pd* pd) const override {
+    RDMARPC_ASSIGN_OR_RETURN(
+        MemoryRegion mr,
+        RegisterGpuMemory(pd, const_cast<void*>(source.data), source.size,
+                          mode_, IBV_ACCESS_LOCAL_WRITE));
+    auto shared = std::make_shared<MemoryRegion>(std::move(mr));
+    return LocalMemory{(*shared)->lkey, shared, false};
+  }
+
+  StatusOr<TensorBuffer> AllocateLanding(Device device, uint64_t size,
+                                         TensorBuffer supplied,
+                                         TensorBuffer*) const override {
+    if (!supplied.empty()) return supplied;
+    return internal::AllocateGpuLanding(device.index, size);
+  }
+  StatusOr<MemoryRegion> RegisterLanding(
+      ibv_pd* pd, const TensorBuffer& landing) const override {
+    return RegisterGpuMemory(pd, landing.data(), landing.size(), mode_,
+                             IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+  }
+  Status AfterLanded(const TensorBuffer& landing) const override {
+    return internal::CudaFlushRdmaWrites(landing.device().index);
+  }
+
+ private:
+  const GpuRdmaMode mode_;
+};
+
+// Through pinned host buffers: the host mover's registrations, plus the
+// copies payload.cc queues between the pinned buffer and the GPU.
+class GpuStagingMover final : public PayloadMover {
+ public:
+  GpuRdmaMode mode() const override { return GpuRdmaMode::kStaging; }
+
+  Status PrepareSource(const TensorBuffer& buffer, PartSource* source,
+                       std::vector<TensorBuffer>* keep) const override {
+    RDMARPC_ASSIGN_OR_RETURN(TensorBuffer pinned,
+                             internal::AllocatePinnedStaging(buffer.size()));
+    source->data = pinned.data();
+    source->staged_from = buffer.data();
+    source->gpu = buffer.device().index;
+    keep->push_back(std::move(pinned));
+    return absl::OkStatus();
+  }
+  StatusOr<LocalMemory> RegisterSource(const PartSource& source,
+                                       RegistrationCache* cache,
+                                       ibv_pd*) const override {
+    return cache->ForSend(source.data, source.size);
+  }
+
+  StatusOr<TensorBuffer> AllocateLanding(
+      Device, uint64_t size, TensorBuffer supplied,
+      TensorBuffer* staged_to) const override {
+    *staged_to = std::move(supplied);
+    return internal::AllocatePinnedStaging(size);
+  }
+  StatusOr<MemoryRegion> RegisterLanding(
+      ibv_pd* pd, const TensorBuffer& landing) const override {
+    return rdma::RegisterLanding(pd, landing.data(), landing.size());
+  }
+  Status AfterLanded(const TensorBuffer&) const override {
+    return absl::OkStatus();  // the copy to the GPU follows
+  }
+};
+
+const HostMover kHost;
+const GpuStagingMover kGpuStaging;
+const GpuDirectMover kGpuDmaBuf(GpuRdmaMode::kDmaBuf);
+const GpuDirectMover kGpuPeerMemory(GpuRdmaMode::kPeerMemory);
+
+}  // namespace
+
+MoverChoice ChooseMover(Device device, const GpuAccess& gpu) {
+  if (!device.is_cuda()) return {&kHost, "", ""};
+  auto choice = ChooseGpuRdmaMode(device.index, gpu.pd, gpu.requested);
+  if (!choice.ok()) {
+    return {&kGpuStaging, GpuRdmaModeName(GpuRdmaMode::kStaging),
+            absl::StrCat(choice.status().message(), "; staging instead")};
+  }
+  const PayloadMover* mover = &kGpuStaging;
+  if (choice->mode == GpuRdmaMode::kDmaBuf) mover = &kGpuDmaBuf;
+  if (choice->mode == GpuRdmaMode::kPeerMemory) mover = &kGpuPeerMemory;
+  return {mover, GpuRdmaModeName(choice->mode), std::move(choice->reason)};
+}
+
+}  // namespace rdmarpc::rdma
