@@ -87,9 +87,6 @@ class RegionPool final : public MemoryPool {
                                device_);
   }
 
-  std::vector<Region> Regions() const override {
-    return {Region{base_, capacity_, device_}};
-  }
   Device device() const override { return device_; }
 
  private:

@@ -402,8 +402,10 @@ void Server::Shutdown(std::chrono::system_clock::time_point deadline) {
   cv_.notify_all();
 }
 
-RdmaServerStats Server::rdma_stats() const {
-  RdmaServerStats stats = rdma_stats_();
+RdmaServerStats Server::rdma_stats() const { return rdma_stats_(); }
+
+CallLogStats Server::call_log_stats() const {
+  CallLogStats stats;
   if (dispatcher_) {
     internal::CallLog::Stats log = dispatcher_->call_log_stats();
     stats.calls_logged = log.records;

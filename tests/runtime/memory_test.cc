@@ -39,12 +39,9 @@ TEST(TensorBufferTest, ShareKeepsOwnerAlive) {
 TEST(HostMemoryPoolTest, AllocatesFreesAndCoalesces) {
   auto pool = NewHostMemoryPool(1 << 20);
   ASSERT_NE(pool, nullptr);
-  ASSERT_EQ(pool->Regions().size(), 1u);
-  const auto region = pool->Regions()[0];
   {
     auto a = pool->Allocate(600 << 10);
     ASSERT_TRUE(a.ok());
-    EXPECT_GE(a->data(), region.base);
     // Not enough left for a second big buffer.
     EXPECT_EQ(pool->Allocate(600 << 10).status().code(),
               absl::StatusCode::kResourceExhausted);

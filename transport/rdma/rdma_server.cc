@@ -168,7 +168,7 @@ void RdmaServerTransport::Shutdown(
     shut_down_ = true;
   }
   tokens_.Clear();
-  listener_->Stop();
+  if (listener_) listener_->Stop();  // null when Start failed
   auto running = [this] { return shared_->handlers_running == 0; };
   {
     std::unique_lock<std::mutex> lock(shared_->mu);

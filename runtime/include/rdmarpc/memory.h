@@ -85,26 +85,16 @@ class TensorBuffer {
   Device device_;
 };
 
-// A source of TensorBuffers backed by a few large regions, so that a
-// transport registers each region once instead of each buffer.
+// A source of TensorBuffers carved from one large allocation, so that a
+// call does not pay for an allocation (or, registered with
+// RegisterMemoryForRdma, for a registration) per buffer.
 class MemoryPool {
  public:
-  // One contiguous region of the pool.
-  struct Region {
-    void* base;
-    size_t size;
-    Device device;
-  };
-
   virtual ~MemoryPool() = default;
 
   // Returns a buffer of `size` bytes; it goes back to the pool when its last
   // copy is destroyed. RESOURCE_EXHAUSTED when the pool cannot serve it.
   virtual StatusOr<TensorBuffer> Allocate(size_t size) = 0;
-
-  // The regions every buffer of this pool lies in. Stable for the pool's
-  // lifetime, so a transport can register them at start.
-  virtual std::vector<Region> Regions() const = 0;
 
   virtual Device device() const = 0;
 };

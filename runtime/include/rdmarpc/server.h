@@ -48,6 +48,7 @@ namespace rdmarpc {
 
 namespace internal {
 class ServerCallState;
+class ServerDispatcher;
 }  // namespace internal
 
 // Per-call information and the call's tensors, for a handler. Owned by the
@@ -55,7 +56,6 @@ class ServerCallState;
 // tensors() stay valid after that only through TensorView::buffer().
 class ServerContext {
  public:
-  explicit ServerContext(internal::ServerCallState* state) : state_(state) {}
   ServerContext(const ServerContext&) = delete;
   ServerContext& operator=(const ServerContext&) = delete;
 
@@ -82,6 +82,9 @@ class ServerContext {
   void set_cuda_stream(void* stream);
 
  private:
+  friend class internal::ServerDispatcher;  // the runtime makes them
+  explicit ServerContext(internal::ServerCallState* state) : state_(state) {}
+
   internal::ServerCallState* state_;
 };
 
@@ -133,18 +136,22 @@ struct RdmaServerStats {
   uint64_t connects_refused = 0;
   // Connections closed because the peer broke the protocol.
   uint64_t protocol_errors = 0;
-  // The call log that makes re-sent calls run once (both transports):
-  // records held now, repeats answered from a record without running the
-  // handler, and repeats refused because the log could not tell.
+};
+
+// What the call log that makes re-sent calls run once has done, over both
+// transports; see Server::call_log_stats().
+struct CallLogStats {
+  // Records held now.
   uint64_t calls_logged = 0;
+  // Repeats answered from a record without running the handler.
   uint64_t repeats_answered = 0;
+  // Repeats refused because the log could not tell whether the call ran.
   uint64_t repeats_refused = 0;
 };
 
 class Server;
 namespace internal {
 class ServerTransport;
-class ServerDispatcher;
 }  // namespace internal
 
 class ServerBuilder {
@@ -237,7 +244,10 @@ class Server {
   // Blocks until Shutdown() has completed (from another thread).
   void Wait();
 
+  // The RDMA transport's counters, and the call log's (zero once shut
+  // down).
   RdmaServerStats rdma_stats() const;
+  CallLogStats call_log_stats() const;
 
  private:
   friend class ServerBuilder;

@@ -195,7 +195,7 @@ TEST_F(FallbackTest, HandlerRunningWhenTheConnectionDropsRunsOnce) {
   EXPECT_EQ(ctx.stats().transport, rdmarpc::TransportKind::kGrpc);
   EXPECT_EQ(service_.slow_started.load(), started + 1);
   EXPECT_EQ(channel->transport_stats().calls_resent, 1u);
-  EXPECT_GE(server_->rdma_stats().repeats_answered, 1u);
+  EXPECT_GE(server_->call_log_stats().repeats_answered, 1u);
 }
 
 TEST_F(FallbackTest, TransientConnectErrorDegradesAndProbesBack) {
@@ -229,7 +229,7 @@ TEST_F(FallbackTest, ResponseSendFailingOnAClosingConnectionIsKeptForResend) {
   EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(service_.echo_calls.load(), runs_before + 1);
   EXPECT_EQ(channel->transport_stats().calls_resent, 1u);
-  EXPECT_GE(server_->rdma_stats().repeats_answered, 1u);
+  EXPECT_GE(server_->call_log_stats().repeats_answered, 1u);
 }
 
 TEST_F(FallbackTest, ShutdownWithAResendPendingEndsByItsDeadline) {
