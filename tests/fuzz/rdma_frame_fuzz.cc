@@ -1,6 +1,9 @@
 // Fuzz target for the RDMA frame decoder (transport/rdma/wire.h): any bytes a
 // peer can SEND. Decoding and parsing must return a Status, never crash, and
-// whatever parses must satisfy the checks the transport relies on.
+// whatever parses must satisfy the checks the transport relies on. A request
+// then goes the server's way: its parts received (ReceivePayload) and, as if
+// every written part had landed, turned into a message with bound tensors
+// (FinishPayload, the RDMA path into the codec's AcceptIncoming).
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -8,12 +11,14 @@
 #include <vector>
 
 #include "fuzz_seeds.h"
+#include "runtime_test.pb.h"
 #include "transport/rdma/payload.h"
 #include "transport/rdma/wire.h"
 
 namespace {
 
 using namespace rdmarpc::rdma;
+using rdmarpc_runtime_test::Outer;
 
 void CheckParts(const google::protobuf::RepeatedPtrField<Part>& parts,
                 const FrameView& frame) {
@@ -62,14 +67,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         // server's landing pool bounds it, so it is kept small here.)
         constexpr uint64_t kBudget = 1 << 20;
         if (r->parts(0).size() <= kBudget) {
-          auto in = ReceivePayload(
-              r->parts(), frame->inline_bytes, kBudget, {},
-              rdmarpc::internal::TensorPlacement(rdmarpc::Device::Host()),
-              nullptr, {nullptr, rdmarpc::GpuRdmaMode::kAuto});
+          const rdmarpc::internal::TensorPlacement host(
+              rdmarpc::Device::Host());
+          auto in = ReceivePayload(r->parts(), frame->inline_bytes, kBudget, {},
+                                   host, &Outer::default_instance(),
+                                   {nullptr, rdmarpc::GpuRdmaMode::kAuto});
           if (in.ok()) {
             uint64_t landing = 0;
             for (const auto& b : in->landing) landing += b.size();
             if (landing > kBudget + r->parts(0).size()) std::abort();
+            Outer msg;
+            rdmarpc::CallTensors tensors;
+            auto done = FinishPayload(&*in, &msg, host, kBudget, nullptr,
+                                      &tensors, nullptr);
+            if (done.ok() && done->total_bytes > kBudget) std::abort();
           }
         }
       }
@@ -113,6 +124,17 @@ std::vector<std::string> FuzzSeeds() {
   auto* big = request.add_parts();
   big->set_out_of_band(true);
   big->set_size(1 << 20);
+  // A request for an Outer message whose tensor travels in the frame.
+  Outer outer;
+  outer.mutable_first()->set_dtype(rdmarpc::DTYPE_U8);
+  outer.mutable_first()->add_shape(3);
+  outer.mutable_first()->set_byte_size(3);
+  std::string message = outer.SerializeAsString();
+  RequestHead with_tensor;
+  with_tensor.set_call_id(2);
+  with_tensor.set_method("/a.B/C");
+  with_tensor.add_parts()->set_size(message.size());
+  with_tensor.add_parts()->set_size(3);
   ResponseHead response;
   response.set_call_id(1);
   response.add_parts()->set_size(2);
@@ -130,6 +152,7 @@ std::vector<std::string> FuzzSeeds() {
   Ping ping;
   ping.set_sequence(3);
   return {Encode(FrameType::kRequest, &request, "abc"),
+          Encode(FrameType::kRequest, &with_tensor, message + "xyz"),
           Encode(FrameType::kResponse, &response, "hi"),
           Encode(FrameType::kGrant, &grant, ""),
           Encode(FrameType::kCancel, &cancel, ""),
