@@ -1,15 +1,20 @@
-// Fuzz target for the credit counts a peer sends (transport/rdma/
-// flow_control.h): each input byte is one event on a connection's window,
-// with the peer's returned-credit counts taken from the input. Whatever the
-// peer claims, the window must refuse what it does not owe (an error, not a
-// crash) and never count more credits or slots than exist.
+// Fuzz target for what a peer's receive completions carry: the credit
+// counts it returns (transport/rdma/flow_control.h) and the immediates of
+// its writes, which name a grant (grant_table.h). Each input byte is one
+// event on a connection's window or grant table, with the peer's counts and
+// immediates taken from the input. Whatever the peer claims, the window must
+// refuse what it does not owe (an error, not a crash) and never count more
+// credits or slots than exist, and an immediate finds its call only while
+// its grant is open.
 #include <cstdint>
 #include <cstdlib>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "fuzz_seeds.h"
 #include "transport/rdma/flow_control.h"
+#include "transport/rdma/grant_table.h"
 
 namespace {
 
@@ -22,6 +27,9 @@ constexpr CreditWindow::Options kOptions{
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   CreditWindow window(kOptions);
+  rdmarpc::rdma::GrantTable grants;
+  std::map<uint32_t, uint64_t> open_grants;  // what the table must hold
+  uint64_t next_call = 1;
   uint32_t taken_slots = 0;    // posted, not yet completed
   uint32_t owed_receives = 0;  // peer frames received, receive not re-posted
   for (size_t i = 0; i < size; ++i) {
@@ -59,8 +67,34 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       case 6:
         (void)window.TakeReturnable();
         break;
-      default:
-        (void)window.ShouldSendCreditReturn();
+      default: {
+        const uint32_t immediate = arg >> 2;  // 0..7: ids issued first
+        switch (arg & 3) {
+          case 0:
+            (void)window.ShouldSendCreditReturn();
+            break;
+          case 1: {
+            uint64_t call = next_call++;
+            uint32_t id = grants.Issue(call, {}).grant_id();
+            if (id == 0 || open_grants.contains(id)) std::abort();
+            open_grants[id] = call;
+            break;
+          }
+          case 2: {  // a write landed with `immediate`
+            auto call = grants.Redeem(immediate);
+            auto it = open_grants.find(immediate);
+            if (call.ok() != (it != open_grants.end())) std::abort();
+            if (call.ok()) {
+              if (*call != it->second) std::abort();
+              open_grants.erase(it);
+            }
+            break;
+          }
+          default:
+            grants.Forget(immediate);
+            open_grants.erase(immediate);
+        }
+      }
     }
     if (window.peer_credits() > kOptions.peer_receives ||
         window.free_send_slots() > kOptions.send_queue_slots ||
@@ -73,6 +107,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
 std::vector<std::string> FuzzSeeds() {
   // Take, complete, receive a frame returning 1, re-post, return credits.
+  // Issue two grants, redeem immediate 1 twice, forget 2, redeem 2.
   return {std::string("\x00\x08\x0c\x05\x06", 5),
-          std::string("\x00\x00\x00\x00\x00\x00\x00\x01\x1c\x0b", 10)};
+          std::string("\x00\x00\x00\x00\x00\x00\x00\x01\x1c\x0b", 10),
+          std::string("\x0f\x0f\x37\x37\x5f\x57", 6)};
 }
