@@ -3,6 +3,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <exception>
 #include <mutex>
@@ -113,13 +114,25 @@ class ServerDispatcher final : public Dispatcher {
         done(std::move(s), std::move(r));
       };
     }
-    auto task = [state = std::move(state), request = std::move(request),
+    auto task = [this, state = std::move(state), request = std::move(request),
                  done = std::move(done)] {
+      // A call whose caller gave up does not run: its deadline may pass,
+      // or its cancel be lost with a broken connection, while it queues.
+      if (state->deadline &&
+          std::chrono::system_clock::now() >= *state->deadline) {
+        not_started_past_deadline_.fetch_add(1, std::memory_order_relaxed);
+        done(absl::DeadlineExceededError(
+                 "deadline passed before the handler started"),
+             nullptr);
+        return;
+      }
       if (state->cancelled.load()) {
+        not_started_cancelled_.fetch_add(1, std::memory_order_relaxed);
         done(absl::CancelledError("call cancelled before its handler ran"),
              nullptr);
         return;
       }
+      started_.fetch_add(1, std::memory_order_relaxed);
       const MethodDescriptor& m = state->method().descriptor;
       std::unique_ptr<google::protobuf::Message> response(
           m.response_prototype->New());
@@ -156,6 +169,13 @@ class ServerDispatcher final : public Dispatcher {
   }
   uint64_t server_instance() const override { return log_.server_instance(); }
   CallLog::Stats call_log_stats() { return log_.stats(); }
+  HandlerStats handler_stats() const {
+    return {.started = started_.load(std::memory_order_relaxed),
+            .not_started_cancelled =
+                not_started_cancelled_.load(std::memory_order_relaxed),
+            .not_started_past_deadline =
+                not_started_past_deadline_.load(std::memory_order_relaxed)};
+  }
 
  private:
   // Sweeps the log every second (so waiting re-sends time out without new
@@ -181,6 +201,9 @@ class ServerDispatcher final : public Dispatcher {
   absl::flat_hash_map<std::string, ServerMethod> methods_;
   uint64_t max_request_tensor_bytes_;
   bool run_inline_;
+  std::atomic<uint64_t> started_{0};
+  std::atomic<uint64_t> not_started_cancelled_{0};
+  std::atomic<uint64_t> not_started_past_deadline_{0};
   CallLog log_;
   ThreadPool pool_;
   std::mutex sweep_mu_;
@@ -413,6 +436,10 @@ CallLogStats Server::call_log_stats() const {
     stats.repeats_refused = log.repeats_refused;
   }
   return stats;
+}
+
+HandlerStats Server::handler_stats() const {
+  return dispatcher_ ? dispatcher_->handler_stats() : HandlerStats{};
 }
 
 void Server::Wait() {

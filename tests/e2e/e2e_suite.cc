@@ -131,6 +131,44 @@ TEST_P(E2ETest, DeadlineGivesDeadlineExceeded) {
   EXPECT_EQ(service_.slow_saw_cancel.load(), service_.slow_started.load());
 }
 
+TEST_P(E2ETest, HandlerIsNotStartedPastItsDeadline) {
+  // Every worker busy: a call with a short deadline queues behind them.
+  constexpr int kWorkers = 8;  // the fixture's SetNumWorkers
+  std::vector<std::unique_ptr<ClientContext>> contexts;
+  std::vector<EchoRequest> requests(kWorkers);
+  std::vector<EchoResponse> responses(kWorkers);
+  std::vector<std::promise<rdmarpc::Status>> done(kWorkers);
+  for (int i = 0; i < kWorkers; ++i) {
+    contexts.push_back(std::make_unique<ClientContext>());
+    requests[i].set_sleep_ms(1500);
+    stub_->Slow(contexts[i].get(), requests[i], &responses[i],
+                [&done, i](rdmarpc::Status s) { done[i].set_value(s); });
+  }
+  for (int i = 0; i < 1000 && service_.slow_started.load() < kWorkers; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(service_.slow_started.load(), kWorkers);
+  ClientContext ctx;
+  ctx.set_timeout(std::chrono::milliseconds(100));
+  EchoRequest req;
+  EchoResponse resp;
+  EXPECT_EQ(stub_->Echo(&ctx, req, &resp).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  for (auto& d : done) EXPECT_TRUE(d.get_future().get().ok());
+  // The queued call reaches a worker once the slow ones end: it must not
+  // run (it may also have been cancelled by the client before then).
+  auto skipped = [&] {
+    rdmarpc::HandlerStats h = server_->handler_stats();
+    return h.not_started_past_deadline + h.not_started_cancelled;
+  };
+  for (int i = 0; i < 1000 && skipped() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(skipped(), 1u);
+  EXPECT_EQ(service_.echo_calls.load(), 0);
+  EXPECT_EQ(server_->handler_stats().started, uint64_t{kWorkers});
+}
+
 TEST_P(E2ETest, ClientCancellationGivesCancelledOnce) {
   ClientContext ctx;
   EchoRequest req;

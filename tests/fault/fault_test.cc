@@ -564,13 +564,14 @@ TEST_F(FaultTest, E_LandingPoolExhausted) {
   Scenario(
       "(e) landing pool exhausted",
       [](Context& c) {
-        // A slow call holds 62 of the pool's 64 MiB for two seconds: the
-        // 4 MiB requests meanwhile cannot land and go over gRPC. (It may
-        // itself find the pool busy with the load's requests: then it went
-        // over gRPC and is tried again.)
+        // A slow call holds 62 of the pool's 64 MiB for two seconds; while
+        // it runs, a 4 MiB request of ours cannot land and goes over gRPC.
+        // (The slow call may itself find the pool busy with the load's
+        // requests: then it went over gRPC and is tried again.)
         std::vector<uint8_t> hog(62 << 20, 1);
-        uint64_t grpc_before = c.channel->transport_stats().calls_grpc;
+        std::vector<uint8_t> probe(4 << 20, 2);
         bool held = false;
+        bool probe_fell_back = false;
         for (int attempt = 0; attempt < 20 && !held; ++attempt) {
           ClientContext ctx;
           EchoRequest req;
@@ -581,13 +582,36 @@ TEST_F(FaultTest, E_LandingPoolExhausted) {
                                {static_cast<int64_t>(hog.size())},
                                TensorBuffer::Borrow(hog.data(), hog.size()))
                           .ok());
-          rdmarpc::Status s = c.channel->Call(kSlow, &ctx, req, &resp);
+          std::promise<rdmarpc::Status> hog_done;
+          auto hog_result = hog_done.get_future();
+          c.channel->CallAsync(
+              kSlow, &ctx, req, &resp,
+              [&hog_done](rdmarpc::Status s) { hog_done.set_value(s); });
+          bool fell_back = false;
+          while (hog_result.wait_for(0s) != std::future_status::ready) {
+            ClientContext probe_ctx;
+            EchoRequest probe_req;
+            EchoResponse probe_resp;
+            ASSERT_TRUE(
+                probe_ctx.tensors()
+                    .Set(probe_req.mutable_tensor(), rdmarpc::DTYPE_U8,
+                         {static_cast<int64_t>(probe.size())},
+                         TensorBuffer::Borrow(probe.data(), probe.size()))
+                    .ok());
+            rdmarpc::Status s =
+                c.channel->Call(kEcho, &probe_ctx, probe_req, &probe_resp);
+            EXPECT_TRUE(s.ok()) << s;
+            fell_back = fell_back || probe_ctx.stats().transport ==
+                                         rdmarpc::TransportKind::kGrpc;
+          }
+          rdmarpc::Status s = hog_result.get();
           EXPECT_TRUE(s.ok()) << s;
           held = ctx.stats().transport == rdmarpc::TransportKind::kRdma;
+          probe_fell_back = held && fell_back;
         }
         EXPECT_TRUE(held) << "the slow call never got the landing pool";
-        EXPECT_GT(c.channel->transport_stats().calls_grpc, grpc_before + 20)
-            << "requests did not fall back while the pool was exhausted";
+        EXPECT_TRUE(probe_fell_back)
+            << "a 4 MiB request did not fall back while the pool was held";
         c.note = "4 MiB requests answered not_executed, re-sent over gRPC";
       },
       /*expect_failback=*/false);

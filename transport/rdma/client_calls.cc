@@ -450,7 +450,18 @@ Status ClientEndpoint::OnResponse(const FrameView& frame,
   Grant grant = grants_.Issue(head.call_id(), r.in);
   r.grant_id = grant.grant_id();
   r.stage = ClientRecord::Stage::kAwaitResponseData;
+  // Fault injection: the connection starts closing just before the grant
+  // goes out, so its send fails.
+  if (RDMARPC_FAULT("rdma.client.close_before_grant")) {
+    conn_->Close(absl::UnavailableError("fault: closed before the grant"),
+                 "fault");
+  }
   Status sent = conn_->SendFrame(FrameType::kGrant, &grant);
+  if (!sent.ok() && conn_->closed()) {
+    // The handler ran and the server keeps its response for a re-send:
+    // OnClosed, which follows on this thread, re-sends the call.
+    return absl::OkStatus();
+  }
   if (!sent.ok()) {
     // The server would wait for this grant: tell it the call is over.
     SendCancelLocked(head.call_id());

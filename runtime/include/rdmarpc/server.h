@@ -149,6 +149,19 @@ struct CallLogStats {
   uint64_t repeats_refused = 0;
 };
 
+// What became of the calls handed to handlers, over both transports; see
+// Server::handler_stats(). Repeats answered from the call log count in
+// none of these.
+struct HandlerStats {
+  // Handlers started.
+  uint64_t started = 0;
+  // Calls not started because they were cancelled while they queued.
+  uint64_t not_started_cancelled = 0;
+  // Calls not started because their deadline passed while they queued
+  // (they end DEADLINE_EXCEEDED).
+  uint64_t not_started_past_deadline = 0;
+};
+
 class Server;
 namespace internal {
 class ServerTransport;
@@ -244,10 +257,11 @@ class Server {
   // Blocks until Shutdown() has completed (from another thread).
   void Wait();
 
-  // The RDMA transport's counters, and the call log's (zero once shut
-  // down).
+  // The RDMA transport's counters, the call log's and the handlers' (zero
+  // once shut down).
   RdmaServerStats rdma_stats() const;
   CallLogStats call_log_stats() const;
+  HandlerStats handler_stats() const;
 
  private:
   friend class ServerBuilder;

@@ -232,6 +232,24 @@ TEST_F(FallbackTest, ResponseSendFailingOnAClosingConnectionIsKeptForResend) {
   EXPECT_GE(server_->call_log_stats().repeats_answered, 1u);
 }
 
+TEST_F(FallbackTest, GrantSendFailingOnAClosingConnectionResendsTheCall) {
+  Start();
+  auto channel = Channel({});
+  ASSERT_EQ(Echo(channel.get(), 300000), rdmarpc::TransportKind::kRdma);
+  int runs_before = service_.echo_calls.load();
+  // The handler ran and its response asks for a grant; the client's grant
+  // cannot go out because the connection starts closing. The call must be
+  // re-sent (the server's log answers it), not failed with the send error.
+  fault::Arm("rdma.client.close_before_grant", 1);
+  rdmarpc::Status s;
+  EXPECT_EQ(Echo(channel.get(), 300000, &s), rdmarpc::TransportKind::kGrpc)
+      << s;
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(service_.echo_calls.load(), runs_before + 1);
+  EXPECT_EQ(channel->transport_stats().calls_resent, 1u);
+  EXPECT_GE(server_->call_log_stats().repeats_answered, 1u);
+}
+
 TEST_F(FallbackTest, ShutdownWithAResendPendingEndsByItsDeadline) {
   Start();
   auto channel = Channel({});
