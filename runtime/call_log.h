@@ -42,6 +42,7 @@
 
 #include "google/protobuf/message.h"
 #include "rdmarpc/status.h"
+#include "runtime/coarse_clock.h"
 #include "runtime/transport.h"
 
 namespace rdmarpc::internal {
@@ -55,8 +56,9 @@ class CallLog {
     // How long a repeat waits for the transport to report the fate of a
     // response it is sending.
     std::chrono::milliseconds settle_timeout{10000};
-    // The time source (tests pass a fake one).
-    std::function<Clock::time_point()> now = [] { return Clock::now(); };
+    // The time source (tests pass a fake one). Coarse: the log is read on
+    // every logged call and its times are seconds long.
+    std::function<Clock::time_point()> now = [] { return CoarseSteadyNow(); };
   };
   struct Stats {
     uint64_t records = 0;           // now

@@ -1,11 +1,15 @@
 #include "rdmarpc/channel.h"
 
+#include <atomic>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "runtime/access.h"
 #include "runtime/random.h"
+#include "runtime/spin.h"
 #include "runtime/transport.h"
 #include "runtime/transport_router.h"
 #include "transport/grpc/grpc_client.h"
@@ -45,21 +49,21 @@ void Channel::CallAsync(std::string_view method, ClientContext* ctx,
             /*done_runs_inline=*/false);
 }
 
-void Channel::StartCall(std::string_view method, ClientContext* ctx,
-                        const google::protobuf::Message& request,
-                        google::protobuf::Message* response,
-                        std::function<void(Status)> done,
-                        bool done_runs_inline) {
+TransportKind Channel::StartCall(std::string_view method, ClientContext* ctx,
+                                 const google::protobuf::Message& request,
+                                 google::protobuf::Message* response,
+                                 std::function<void(Status)> done,
+                                 bool done_runs_inline) {
   if (!internal::ClientContextAccess::MarkStarted(ctx)) {
     done(absl::FailedPreconditionError(
         "ClientContext used for a second call; use one per call"));
-    return;
+    return TransportKind::kNone;
   }
   CallStats* stats = internal::ClientContextAccess::mutable_stats(ctx);
   stats->call_id = next_call_id_.fetch_add(1);
   if (ctx->IsCancelled()) {
     done(absl::CancelledError("call cancelled before start"));
-    return;
+    return TransportKind::kNone;
   }
   internal::ClientCall call;
   call.method = std::string(method);
@@ -70,13 +74,77 @@ void Channel::StartCall(std::string_view method, ClientContext* ctx,
   call.max_response_tensor_bytes = options_.max_response_tensor_bytes;
   call.done = std::move(done);
   call.done_runs_inline = done_runs_inline;
-  router_->Route(std::move(call));
+  return router_->Route(std::move(call));
 }
+
+namespace {
+
+// A blocking call's meeting point with its completion. Over RDMA the caller
+// spins for a while before it sleeps, so a response that comes soon is
+// taken without a futex wake-up or a trip through the scheduler.
+class CallWaiter {
+ public:
+  // On the thread that completes the call.
+  void Complete(Status status) {
+    status_ = std::move(status);
+    if (state_.exchange(kDone, std::memory_order_acq_rel) == kSleeping) {
+      std::lock_guard<std::mutex> lock(mu_);
+      cv_.notify_one();
+    }
+  }
+
+  // `spin_from`: the SpinClock time the call was posted over RDMA, or 0
+  // when it went over gRPC (nothing to spin for).
+  Status Wait(uint64_t spin_from) {
+    if (spin_from != 0) {
+      const internal::SpinClock& clock = internal::SpinClock::Get();
+      const uint64_t until = spin_from + internal::SpinTicks();
+      while (state_.load(std::memory_order_acquire) != kDone &&
+             clock.Now() < until) {
+        internal::CpuRelax();
+      }
+    }
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      int waiting = kWaiting;
+      if (state_.compare_exchange_strong(waiting, kSleeping,
+                                         std::memory_order_acq_rel)) {
+        cv_.wait(lock, [this] {
+          return state_.load(std::memory_order_acquire) == kDone;
+        });
+      }
+    }
+    // Slept or not, the round trip sizes the next spin.
+    if (spin_from != 0) {
+      internal::RecordRoundTrip(internal::SpinClock::Get().Now() - spin_from);
+    }
+    return std::move(status_);
+  }
+
+ private:
+  static constexpr int kWaiting = 0;
+  static constexpr int kSleeping = 1;
+  static constexpr int kDone = 2;
+  std::atomic<int> state_{kWaiting};
+  Status status_;  // written before state_ becomes kDone
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+
+}  // namespace
 
 Status Channel::Call(std::string_view method, ClientContext* ctx,
                      const google::protobuf::Message& request,
                      google::protobuf::Message* response) {
-  return CallFuture(method, ctx, request, response).get();
+  // Shared: the completing thread may still be in Complete() when a
+  // spinning caller sees kDone and returns.
+  auto waiter = std::make_shared<CallWaiter>();
+  const uint64_t posted = internal::SpinClock::Get().Now();
+  TransportKind took = StartCall(
+      method, ctx, request, response,
+      [waiter](Status s) { waiter->Complete(std::move(s)); },
+      /*done_runs_inline=*/true);
+  return waiter->Wait(took == TransportKind::kRdma ? posted : 0);
 }
 
 std::future<Status> Channel::CallFuture(

@@ -117,7 +117,7 @@ void TransportRouter::Loop() {
       std::vector<ClientCall> waiting;
       waiting.swap(waiting_);
       lock.unlock();
-      for (auto& call : waiting) Route(std::move(call));
+      for (auto& call : waiting) (void)Route(std::move(call));
       lock.lock();
       continue;
     }
@@ -228,7 +228,7 @@ void TransportRouter::SendOverFallback(ClientCall call, std::string why) {
   fallback_->Start(std::move(call));
 }
 
-void TransportRouter::Route(ClientCall call) {
+TransportKind TransportRouter::Route(ClientCall call) {
   std::shared_ptr<FastTransport> fast;
   std::string why;
   {
@@ -241,7 +241,7 @@ void TransportRouter::Route(ClientCall call) {
         [[fallthrough]];
       case RdmaHealth::kConnecting:
         waiting_.push_back(std::move(call));
-        return;
+        return TransportKind::kNone;
       case RdmaHealth::kReady:
         if (Status health = fast_->health(); health.ok()) {
           fast = fast_;
@@ -259,11 +259,15 @@ void TransportRouter::Route(ClientCall call) {
         break;
     }
   }
-  if (!fast) return SendOverFallback(std::move(call), std::move(why));
+  if (!fast) {
+    SendOverFallback(std::move(call), std::move(why));
+    return TransportKind::kGrpc;
+  }
   ++calls_fast_;
   ClientContextAccess::mutable_stats(call.ctx)->transport =
       TransportKind::kRdma;
   fast->Start(std::move(call));
+  return TransportKind::kRdma;
 }
 
 }  // namespace rdmarpc::internal

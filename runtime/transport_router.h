@@ -53,8 +53,9 @@ class TransportRouter {
   TransportRouter(const TransportRouter&) = delete;
   TransportRouter& operator=(const TransportRouter&) = delete;
 
-  // Hands `call` to the transport the policy and the health pick.
-  void Route(ClientCall call);
+  // Hands `call` to the transport the policy and the health pick, and
+  // returns which one took it (kNone: it waits for the first connect).
+  TransportKind Route(ClientCall call);
 
   ChannelTransportStats stats();
 

@@ -180,8 +180,9 @@ class TransportRouterTest : public ::testing::Test {
         [c = connector_](FastPathHooks hooks) { return (*c)(hooks); });
   }
 
-  // Routes call `id`; its completion lands in dones_[id].
-  void Route(TransportRouter& router, uint64_t id) {
+  // Routes call `id`; its completion lands in dones_[id]. Returns the
+  // transport that took it.
+  TransportKind Route(TransportRouter& router, uint64_t id) {
     contexts_.push_back(std::make_unique<ClientContext>());
     ClientCall call;
     call.method = "/test.Svc/Run";
@@ -192,7 +193,7 @@ class TransportRouterTest : public ::testing::Test {
       done->status = s;
       ++done->runs;
     };
-    router.Route(std::move(call));
+    return router.Route(std::move(call));
   }
 
   static bool WaitFor(TransportRouter& router, RdmaHealth health) {
@@ -212,7 +213,7 @@ class TransportRouterTest : public ::testing::Test {
 
 TEST_F(TransportRouterTest, ConnectedFastPathCarriesCalls) {
   auto router = Router(Options(), {Outcome::kConnect});
-  Route(*router, 1);
+  EXPECT_EQ(Route(*router, 1), TransportKind::kNone);  // waits for connect
   ASSERT_TRUE(WaitFor(*router, RdmaHealth::kReady));
   // The first call waited for the connect, then went fast.
   auto until = std::chrono::steady_clock::now() + 10s;
@@ -220,7 +221,7 @@ TEST_F(TransportRouterTest, ConnectedFastPathCarriesCalls) {
          std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(1ms);
   }
-  Route(*router, 2);
+  EXPECT_EQ(Route(*router, 2), TransportKind::kRdma);
   EXPECT_EQ(connector_->last()->held().size(), 2u);
   connector_->last()->CompleteAll();
   EXPECT_EQ(dones_[1].runs.load(), 1);
@@ -235,7 +236,7 @@ TEST_F(TransportRouterTest, NoFastPathMeansFallbackForGoodWithoutProbes) {
   auto router = Router(Options(), {Outcome::kNoFastPath, Outcome::kConnect});
   Route(*router, 1);
   ASSERT_TRUE(WaitFor(*router, RdmaHealth::kGrpcOnly));
-  Route(*router, 2);
+  EXPECT_EQ(Route(*router, 2), TransportKind::kGrpc);
   std::this_thread::sleep_for(20ms);  // a probe, were there one, would run
   EXPECT_EQ(connector_->attempts(), 1u);
   EXPECT_EQ(dones_[1].runs.load(), 1);

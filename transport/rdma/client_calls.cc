@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/access.h"
+#include "runtime/coarse_clock.h"
 #include "runtime/completion.h"
 #include "runtime/fault_injection.h"
 #include "transport/rdma/payload.h"
@@ -35,7 +36,35 @@ struct ClientRecord {
   uint64_t response_copied = 0;
   std::optional<Clock::time_point> deadline;
   std::chrono::steady_clock::time_point sent_at;
+  // For the progress watch: when the call last moved (sent, a frame for it
+  // came, a write of it completed, the server said its handler runs), and
+  // how long its bytes in flight may take beyond the peer timeout.
+  std::chrono::steady_clock::time_point moved_at;
+  std::chrono::steady_clock::duration in_flight_allowance{};
 };
+
+namespace {
+
+// The slowest rate a healthy path moves a call's written bytes at: soft-RoCE
+// under emulation moves several hundred MB/s. Slower than this, a transfer
+// counts as stalled once the peer timeout is spent as well.
+constexpr uint64_t kSlowestBytesPerSecond = uint64_t{64} << 20;
+
+std::chrono::steady_clock::duration AllowanceFor(uint64_t bytes) {
+  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(static_cast<double>(bytes) /
+                                    kSlowestBytesPerSecond));
+}
+
+uint64_t OutOfBandBytes(const google::protobuf::RepeatedPtrField<Part>& parts) {
+  uint64_t bytes = 0;
+  for (const Part& p : parts) {
+    if (p.out_of_band()) bytes += p.size();
+  }
+  return bytes;
+}
+
+}  // namespace
 
 ClientEndpoint::ClientEndpoint(internal::FastPathHooks hooks,
                                uint64_t server_instance,
@@ -60,11 +89,23 @@ Status ClientEndpoint::health() const {
   return closed_;
 }
 
-size_t ClientEndpoint::outstanding(
-    std::chrono::steady_clock::time_point* last_start) const {
+ClientEndpoint::ProgressWatch ClientEndpoint::WatchProgress(
+    std::chrono::steady_clock::time_point now,
+    std::chrono::milliseconds peer_timeout) const {
+  ProgressWatch watch;
   std::lock_guard<std::mutex> lock(mu_);
-  *last_start = last_start_;
-  return calls_.size();
+  watch.outstanding = calls_.size();
+  std::chrono::steady_clock::duration worst{};
+  for (const auto& [id, r] : calls_) {
+    auto quiet = now - r->moved_at - r->in_flight_allowance;
+    if (quiet >= peer_timeout / 3) watch.ping_needed = true;
+    if (quiet >= peer_timeout && quiet > worst) {
+      worst = quiet;
+      watch.stalled_call = id;
+      watch.stalled_since = r->moved_at;
+    }
+  }
+  return watch;
 }
 
 void ClientEndpoint::BeginShutdown() {
@@ -165,7 +206,12 @@ void ClientEndpoint::Start(internal::ClientCall call) {
   record->stage = record->sources.empty() ? ClientRecord::Stage::kAwaitResponse
                                           : ClientRecord::Stage::kAwaitGrant;
   record->deadline = ctx->deadline();
-  record->sent_at = std::chrono::steady_clock::now();
+  const auto sent_at = internal::CoarseSteadyNow();
+  record->sent_at = sent_at;
+  record->moved_at = sent_at;
+  // Written parts wait for the server to allocate and register landing
+  // memory for them, which takes time in proportion to their size.
+  record->in_flight_allowance = AllowanceFor(record->out.tensor_bytes);
   CallStats* stats = internal::ClientContextAccess::mutable_stats(ctx);
   stats->transport = TransportKind::kRdma;
   stats->tensor_bytes_sent = record->out.tensor_bytes;
@@ -183,7 +229,6 @@ void ClientEndpoint::Start(internal::ClientCall call) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     bool cancelled = early_cancels_.erase(call_id) > 0;
-    last_start_ = std::chrono::steady_clock::now();
     calls_.emplace(call_id, std::move(record));
     conn->calls_waiting.fetch_add(1);
     if (cancelled) {
@@ -337,7 +382,7 @@ Status ClientEndpoint::OnFrame(const FrameView& frame) {
       s = OnResponse(frame, &outcomes);
       break;
     case FrameType::kPong:
-      s = ParsePing(frame).status();  // hearing it is the point
+      s = OnPong(frame);
       break;
     default:
       s = absl::InvalidArgumentError(absl::StrCat(
@@ -345,6 +390,17 @@ Status ClientEndpoint::OnFrame(const FrameView& frame) {
   }
   Complete(std::move(outcomes));
   return s;
+}
+
+Status ClientEndpoint::OnPong(const FrameView& frame) {
+  RDMARPC_ASSIGN_OR_RETURN(Ping pong, ParsePing(frame));
+  const auto now = internal::CoarseSteadyNow();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (uint64_t id : pong.running_call_ids()) {
+    auto it = calls_.find(id);
+    if (it != calls_.end()) it->second->moved_at = now;
+  }
+  return absl::OkStatus();
 }
 
 Status ClientEndpoint::OnGrant(const FrameView& frame,
@@ -371,6 +427,8 @@ Status ClientEndpoint::OnGrant(const FrameView& frame,
       // A failed write means the connection failed: OnClosed follows and
       // re-sends the call, so the error itself decides nothing here.
       --rec.writes_pending;
+      rec.moved_at = internal::CoarseSteadyNow();
+      if (rec.writes_pending == 0) rec.in_flight_allowance = {};
       if (rec.writes_pending == 0 && rec.deferred) {
         ep->FinishLocked(call_id, *rec.deferred, &done);
       }
@@ -381,6 +439,8 @@ Status ClientEndpoint::OnGrant(const FrameView& frame,
       r.writes_pending,
       WriteGrantedParts(frame, r.out, r.sources, conn_, on_written));
   r.stage = ClientRecord::Stage::kAwaitResponse;
+  r.moved_at = internal::CoarseSteadyNow();
+  r.in_flight_allowance = AllowanceFor(r.out.tensor_bytes);
   return absl::OkStatus();
 }
 
@@ -404,6 +464,8 @@ Status ClientEndpoint::OnResponse(const FrameView& frame,
     return absl::InvalidArgumentError(
         absl::StrCat("second response for call ", head.call_id()));
   }
+  r.moved_at = internal::CoarseSteadyNow();
+  r.in_flight_allowance = AllowanceFor(OutOfBandBytes(head.parts()));
   if (head.code() != 0) {
     bool not_sent =
         r.stage == ClientRecord::Stage::kAwaitGrant && head.not_executed();

@@ -57,9 +57,21 @@ class ClientEndpoint final
 
   void Attach(std::shared_ptr<Connection> conn);
   Status health() const;
-  // Calls outstanding, and when the last one started (for the silence
-  // check).
-  size_t outstanding(std::chrono::steady_clock::time_point* last_start) const;
+  // What the connection's watcher needs to know about the calls' progress
+  // at `now` (see ChannelOptions::rdma_peer_timeout).
+  struct ProgressWatch {
+    size_t outstanding = 0;
+    // Some call has not moved for a third of the timeout: a ping asks the
+    // server which of them its handlers are running.
+    bool ping_needed = false;
+    // The call that has not moved for longest beyond what it is allowed
+    // (`peer_timeout`, plus the time its bytes in flight may take); 0 if
+    // none.
+    uint64_t stalled_call = 0;
+    std::chrono::steady_clock::time_point stalled_since;
+  };
+  ProgressWatch WatchProgress(std::chrono::steady_clock::time_point now,
+                              std::chrono::milliseconds peer_timeout) const;
   // From now on a closing connection fails its calls instead of re-sending
   // them (the channel is going away).
   void BeginShutdown();
@@ -78,6 +90,9 @@ class ClientEndpoint final
  private:
   Status OnGrant(const FrameView& frame, std::vector<Outcome>* outcomes);
   Status OnResponse(const FrameView& frame, std::vector<Outcome>* outcomes);
+  // A pong names the calls whose handlers the server is running: they are
+  // moving.
+  Status OnPong(const FrameView& frame);
   // Removes the call and queues its completion (or defers it while writes
   // are pending). Requires mu_.
   void FinishLocked(uint64_t call_id, Status status,
@@ -103,7 +118,6 @@ class ClientEndpoint final
   std::map<uint64_t, std::unique_ptr<ClientRecord>> calls_;
   GrantTable grants_;
   std::set<uint64_t> early_cancels_;
-  std::chrono::steady_clock::time_point last_start_;
   bool shutting_down_ = false;
   bool on_closed_done_ = false;
   std::condition_variable closed_cv_;

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/coarse_clock.h"
 #include "transport/rdma/engine.h"
 
 namespace rdmarpc::rdma {
@@ -240,11 +241,11 @@ void Connection::Arm() {
 void Connection::ConsumeEvents() {
   ibv_cq* cq = nullptr;
   void* context = nullptr;
-  unsigned events = 0;
-  while (ibv_get_cq_event(res_.completions.get(), &cq, &context) == 0) {
-    ++events;
+  // One event per Arm(), and the engine arms once per sleep: one read
+  // suffices (epoll reports the fd again if more are queued).
+  if (ibv_get_cq_event(res_.completions.get(), &cq, &context) == 0) {
+    ibv_ack_cq_events(res_.cq.get(), 1);
   }
-  if (events > 0) ibv_ack_cq_events(res_.cq.get(), events);
 }
 
 void Connection::Fail(const std::string& what) {
@@ -274,9 +275,8 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
     return;
   }
   if (wc.wr_id & kReceiveBit) {
-    last_heard_.store(
-        std::chrono::steady_clock::now().time_since_epoch().count(),
-        std::memory_order_relaxed);
+    last_heard_.store(internal::CoarseSteadyNow().time_since_epoch().count(),
+                      std::memory_order_relaxed);
     uint32_t index = static_cast<uint32_t>(wc.wr_id & ~kReceiveBit);
     Status handled;
     if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {

@@ -153,8 +153,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   rdma_event_channel* cm_events() const { return res_.events.get(); }
   const ConnectionConfig& config() const { return config_; }
 
-  // Work the engine should keep polling for (posted work requests, calls
-  // waiting for the peer). Handlers count their calls here.
+  // Work outstanding (posted work requests, calls waiting for the peer); a
+  // server's shutdown flushes until there is none. Handlers count their
+  // calls here.
   bool Busy() const;
   std::atomic<int> calls_waiting{0};
 

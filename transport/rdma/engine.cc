@@ -7,10 +7,10 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstdlib>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/spin.h"
 #include "transport/rdma/connection.h"
 #include "transport/rdma/verbs.h"
 
@@ -21,11 +21,8 @@ namespace {
 // device's async event fd, any other pointer a Connection.
 constexpr uint64_t kDeviceTag = 1;
 
-std::chrono::microseconds SpinFromEnvironment() {
-  const char* env = std::getenv("RDMARPC_RDMA_SPIN_US");
-  if (env == nullptr || *env == '\0') return std::chrono::microseconds(50);
-  return std::chrono::microseconds(std::strtoul(env, nullptr, 10));
-}
+// How often a busy engine looks at the devices' asynchronous events.
+constexpr std::chrono::milliseconds kAsyncEventPeriod(10);
 
 }  // namespace
 
@@ -36,8 +33,7 @@ Engine& Engine::Get() {
 
 Engine::Engine()
     : epoll_fd_(epoll_create1(EPOLL_CLOEXEC)),
-      wake_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)),
-      spin_(SpinFromEnvironment()) {
+      wake_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.ptr = nullptr;
@@ -81,6 +77,7 @@ Status Engine::Add(std::shared_ptr<Connection> conn) {
     live_.push_back(conn);
     added_.push_back(std::move(conn));
   }
+  added_pending_.store(true, std::memory_order_release);
   Wake();
   return absl::OkStatus();
 }
@@ -182,17 +179,18 @@ void Engine::ReleaseDevicesLocked() {
 }
 
 void Engine::Loop() {
+  const internal::SpinClock& clock = internal::SpinClock::Get();
+  const uint64_t event_period = clock.Ticks(kAsyncEventPeriod);
   std::vector<std::shared_ptr<Connection>> conns;
-  auto last_progress = std::chrono::steady_clock::now();
-  auto last_events = last_progress;
+  uint64_t last_progress = clock.Now();
+  uint64_t last_events = last_progress;
   while (true) {
-    {
+    if (added_pending_.exchange(false, std::memory_order_acquire)) {
       std::lock_guard<std::mutex> lock(mu_);
       for (auto& c : added_) conns.push_back(std::move(c));
       added_.clear();
     }
     bool progress = false;
-    bool busy = false;
     for (size_t i = 0; i < conns.size();) {
       Connection* c = conns[i].get();
       progress |= c->Poll();
@@ -206,12 +204,11 @@ void Engine::Loop() {
         ReleaseDevicesLocked();
         continue;
       }
-      busy = busy || c->Busy();
       ++i;
     }
-    auto now = std::chrono::steady_clock::now();
+    uint64_t now = clock.Now();
     // Busy or not, async events (a port going down) must not wait long.
-    if (now - last_events >= std::chrono::milliseconds(1)) {
+    if (now - last_events >= event_period) {
       last_events = now;
       HandleEpoll(0);
     }
@@ -219,13 +216,18 @@ void Engine::Loop() {
       last_progress = now;
       continue;
     }
-    if (busy && now - last_progress < spin_) continue;
+    // Spinning on after the last completion catches the next request or
+    // response without a sleep and a wake-up through the kernel.
+    if (now - last_progress < internal::SpinTicks()) {
+      internal::CpuRelax();
+      continue;
+    }
     // Quiet: arm every queue, catch what raced with arming, then sleep.
     for (auto& c : conns) c->Arm();
     for (auto& c : conns) progress |= c->Poll();
     if (progress) continue;
     HandleEpoll(-1);
-    last_progress = std::chrono::steady_clock::now();
+    last_progress = clock.Now();
   }
 }
 

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/access.h"
+#include "runtime/coarse_clock.h"
 #include "runtime/fault_injection.h"
 #include "transport/rdma/client_calls.h"
 #include "transport/rdma/connection_setup.h"
@@ -95,10 +96,9 @@ RdmaClientTransport::~RdmaClientTransport() {
 
 void RdmaClientTransport::Monitor() {
   using SteadyClock = std::chrono::steady_clock;
-  // When the outstanding ping reached the server's receive queue (0: none
-  // delivered yet); set by the ping's send continuation.
-  auto delivered = std::make_shared<std::atomic<SteadyClock::rep>>(0);
-  bool ping_out = false;
+  // When the last ping went out (it is answered once anything is heard
+  // after it); none while it is the epoch.
+  SteadyClock::time_point ping_sent_at;
   uint64_t ping_sequence = 0;
   while (!stop_.load()) {
     std::chrono::milliseconds wait = endpoint_->ExpireDeadlines();
@@ -106,46 +106,52 @@ void RdmaClientTransport::Monitor() {
       Status injected = conn_->InjectQueuePairError();
       if (!injected.ok()) conn_->Close(injected, "fault injection");
     }
-    // A server that stops answering on RDMA (its gRPC port may still
-    // answer) must not hold calls forever. After a third of the timeout
-    // without a frame, ping it; a ping that reached it and is not answered
-    // within two thirds of the timeout closes the connection. (A ping
-    // waits behind writes already posted; its clock starts once it lands.)
-    auto now = SteadyClock::now();
-    SteadyClock::time_point last_start;
-    size_t outstanding = endpoint_->outstanding(&last_start);
-    SteadyClock::time_point heard = conn_->last_heard();
-    if (ping_out) {
-      SteadyClock::time_point landed(SteadyClock::duration(delivered->load()));
-      if (delivered->load() != 0 && heard > landed) {
-        ping_out = false;  // answered (or any other frame came)
-      } else if (delivered->load() != 0 &&
-                 now - landed >= peer_timeout_ * 2 / 3 && !conn_->closed()) {
-        conn_->Close(absl::UnavailableError(absl::StrCat(
-                         "the server did not answer on RDMA for ",
-                         std::chrono::duration_cast<std::chrono::milliseconds>(
-                             now - std::max(heard, last_start))
-                             .count(),
-                         " ms with ", outstanding,
-                         " calls outstanding (a ping went unanswered)")),
-                     "server silent on RDMA");
+    // A call that RDMA stops moving must not wait forever while the server
+    // may still answer over gRPC: a server whose RDMA side went silent, or
+    // a path that loses so many packets that retransmission crawls. A call
+    // that has not moved for a third of the peer timeout (beyond what its
+    // bytes in flight may take) makes the watcher ping; the pong names the
+    // calls whose handlers run, which counts as moving. A call that stays
+    // still for the whole timeout closes the connection, which re-sends it
+    // over gRPC with the same call id.
+    if (peer_timeout_.count() > 0) {
+      const auto now = internal::CoarseSteadyNow();
+      ClientEndpoint::ProgressWatch watch =
+          endpoint_->WatchProgress(now, peer_timeout_);
+      const SteadyClock::time_point heard = conn_->last_heard();
+      if (watch.stalled_call != 0 && !conn_->closed()) {
+        auto still_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                            now - watch.stalled_since)
+                            .count();
+        if (heard < watch.stalled_since) {
+          conn_->Close(
+              absl::UnavailableError(absl::StrCat(
+                  "the server did not answer on RDMA for ", still_ms,
+                  " ms with ", watch.outstanding, " calls outstanding")),
+              "server silent on RDMA");
+        } else {
+          conn_->Close(
+              absl::UnavailableError(absl::StrCat(
+                  "call ", watch.stalled_call, " made no progress on RDMA for ",
+                  still_ms,
+                  " ms while the server answered and was not running its "
+                  "handler: the RDMA path is stuck or losing packets")),
+              "no progress on RDMA");
+        }
+      } else if (watch.ping_needed &&
+                 (heard >= ping_sent_at ||
+                  now - ping_sent_at >= peer_timeout_ / 3)) {
+        Ping ping;
+        ping.set_sequence(++ping_sequence);
+        // A ping that cannot be sent is on a closing connection.
+        if (conn_->SendFrame(FrameType::kPing, &ping).ok()) {
+          ping_sent_at = now;
+        }
       }
-    } else if (outstanding > 0 && peer_timeout_.count() > 0 &&
-               now - std::max(heard, last_start) >= peer_timeout_ / 3) {
-      Ping ping;
-      ping.set_sequence(++ping_sequence);
-      delivered->store(0);
-      Status sent =
-          conn_->SendFrame(FrameType::kPing, &ping, {}, [delivered](Status s) {
-            if (s.ok()) {
-              delivered->store(SteadyClock::now().time_since_epoch().count());
-            }
-          });
-      ping_out = sent.ok();
-    }
-    if (outstanding > 0 && peer_timeout_.count() > 0) {
-      wait = std::min(
-          wait, std::max(std::chrono::milliseconds(1), peer_timeout_ / 6));
+      if (watch.outstanding > 0) {
+        wait = std::min(
+            wait, std::max(std::chrono::milliseconds(1), peer_timeout_ / 6));
+      }
     }
     auto event = NextCmEvent(conn_->cm_events(), wait);
     if (!event.ok()) continue;  // timeout: check again

@@ -69,6 +69,14 @@ Status ServerEndpoint::OnFrame(const FrameView& frame) {
       RDMARPC_ASSIGN_OR_RETURN(Ping ping, ParsePing(frame));
       std::lock_guard<std::mutex> lock(mu_);
       if (closed_) return absl::OkStatus();
+      // Tells the client which of its calls are busy here, not stuck.
+      ping.clear_running_call_ids();
+      for (const auto& [id, r] : calls_) {
+        if (ping.running_call_ids_size() >= kMaxRunningInPong) break;
+        if (r->stage == ServerRecord::Stage::kRunning) {
+          ping.add_running_call_ids(id);
+        }
+      }
       // Fails only on a closing connection, whose close ends the calls.
       Status sent = conn_->SendFrame(FrameType::kPong, &ping);
       return conn_->closed() ? absl::OkStatus() : sent;
@@ -333,6 +341,14 @@ void ServerEndpoint::Respond(
     conn_->Close(absl::UnavailableError("fault: closed before the response"),
                  "fault");
   }
+  // Fault injection: the response frame is lost on a path that drops
+  // packets; whether it arrived stays open until the connection closes.
+  if (RDMARPC_FAULT("rdma.server.lose_response")) {
+    if (sent) lost_sends_.push_back(std::move(sent));
+    if (r.sources.empty()) return ForgetLocked(call_id);
+    r.stage = ServerRecord::Stage::kAwaitResponseGrant;
+    return;
+  }
   Status queued =
       conn_->SendFrame(FrameType::kResponse, &head, r.out.inline_parts, sent);
   if (!queued.ok()) {
@@ -425,6 +441,10 @@ void ServerEndpoint::OnClosed(const Status&) {
         r->state->cancelled.store(true);
       }
     }
+    for (auto& sent : lost_sends_) {
+      sent(absl::UnavailableError("RDMA connection closed"));
+    }
+    lost_sends_.clear();
     calls_.clear();
     grants_.Clear();
     if (cache_) cache_->Clear();

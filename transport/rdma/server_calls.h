@@ -111,6 +111,9 @@ class ServerEndpoint final
   std::shared_ptr<RegistrationCache> cache_;
   bool closed_ = false;
   std::map<uint64_t, std::unique_ptr<ServerRecord>> calls_;
+  // Fault injection only: continuations of responses "lost on the wire",
+  // run with an error when the connection closes.
+  std::vector<std::function<void(Status)>> lost_sends_;
   GrantTable grants_;
   struct ReadyCall {
     std::shared_ptr<internal::ServerCallState> state;

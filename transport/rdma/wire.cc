@@ -261,6 +261,13 @@ StatusOr<Ping> ParsePing(const FrameView& frame) {
                            static_cast<int>(frame.head.size()))) {
     return Malformed("ping head does not parse");
   }
+  if (frame.type == FrameType::kPing && ping.running_call_ids_size() > 0) {
+    return Malformed("a ping lists call ids");
+  }
+  if (ping.running_call_ids_size() > kMaxRunningInPong) {
+    return Malformed(absl::StrCat("a pong lists ", ping.running_call_ids_size(),
+                                  " call ids, more than ", kMaxRunningInPong));
+  }
   return ping;
 }
 

@@ -94,7 +94,12 @@ constexpr size_t FrameBytes(size_t head_bytes, size_t inline_bytes) {
 [[nodiscard]] StatusOr<Grant> ParseGrant(const FrameView& frame,
                                          size_t expected_regions);
 [[nodiscard]] StatusOr<Cancel> ParseCancel(const FrameView& frame);
-// A kPing or kPong frame's head.
+// Most call ids a pong lists (10 bytes each at worst: a pong fits any
+// receive buffer).
+inline constexpr int kMaxRunningInPong = 2048;
+
+// A kPing or kPong frame's head; a ping lists no call ids, a pong at most
+// kMaxRunningInPong.
 [[nodiscard]] StatusOr<Ping> ParsePing(const FrameView& frame);
 
 }  // namespace rdmarpc::rdma

@@ -82,12 +82,15 @@ class Channel final : public ChannelInterface {
   friend std::shared_ptr<Channel> CreateChannel(std::string target,
                                                 ChannelOptions options);
   Channel(std::string target, ChannelOptions options);
-  // Hands `call` to the transport the policy and the RDMA health pick.
-  // CallAsync's body; `done_runs_inline`: see internal::ClientCall.
-  void StartCall(std::string_view method, ClientContext* ctx,
-                 const google::protobuf::Message& request,
-                 google::protobuf::Message* response,
-                 std::function<void(Status)> done, bool done_runs_inline);
+  // Hands `call` to the transport the policy and the RDMA health pick,
+  // and returns which one took it (kNone: not started, or waiting for the
+  // first connect). CallAsync's body; `done_runs_inline`: see
+  // internal::ClientCall.
+  TransportKind StartCall(std::string_view method, ClientContext* ctx,
+                          const google::protobuf::Message& request,
+                          google::protobuf::Message* response,
+                          std::function<void(Status)> done,
+                          bool done_runs_inline);
   std::string target_;
   ChannelOptions options_;
   std::atomic<uint64_t> next_call_id_{1};

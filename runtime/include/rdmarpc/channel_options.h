@@ -44,10 +44,11 @@ struct ChannelOptions {
   // the server's receive buffers) instead of by RDMA WRITE. 0: the
   // threshold the server advertises.
   uint64_t rdma_inline_threshold = 0;
-  // With calls outstanding, a server silent on RDMA this long is taken for
-  // gone (it is pinged after a third of it): the connection is dropped and
-  // its calls re-sent over gRPC. Bounds how long a call waits on a peer
-  // whose RDMA side stopped while its gRPC port answers. 0: never.
+  // A call over RDMA that makes no progress this long (beyond the time its
+  // tensor bytes may take at 64 MiB/s) while its handler is not running on
+  // the server is taken for stuck: the server's RDMA side went silent, or
+  // the path loses packets. The connection is dropped and its calls re-sent
+  // over gRPC (each runs once). Slow handlers never trip it. 0: never.
   std::chrono::milliseconds rdma_peer_timeout{3000};
   // Degraded: the first probe waits this long, then each wait doubles up
   // to the maximum; every wait is jittered by +-25%.

@@ -2,8 +2,10 @@
 // fault points (runtime/fault_injection.h) on real RDMA (label rdma): a
 // server without RDMA, a refused handshake, a connect that times out or
 // fails for a while, a server that stops answering on RDMA while its gRPC
-// port answers, a response whose send fails on a closing connection, and a
-// shutdown with a re-send pending. Each checks the channel's state, its
+// port answers, a response lost on the wire while the server answers, a
+// handler that runs longer than the peer timeout (not a stall), a response
+// whose send fails on a closing connection, and a shutdown with a re-send
+// pending. Each checks the channel's state, its
 // trigger text, that calls complete (the handler running once), and
 // fail-back where RDMA can recover.
 #include <gtest/gtest.h>
@@ -175,6 +177,49 @@ TEST_F(FallbackTest, ServerSilentOnRdmaIsDetectedAndTheCallResentOnce) {
   fault::Disarm("rdma.server.ignore_frames");
   ASSERT_TRUE(WaitFor(channel.get(), RdmaHealth::kReady, 10s))
       << channel->transport_stats().ToString();
+}
+
+TEST_F(FallbackTest, ResponseLostOnTheWireIsResentOnceAfterNoProgress) {
+  Start();
+  rdmarpc::ChannelOptions options;
+  options.rdma_peer_timeout = 600ms;
+  auto channel = Channel(options);
+  ASSERT_EQ(Echo(channel.get(), 64), rdmarpc::TransportKind::kRdma);
+  int runs_before = service_.echo_calls.load();
+  // The handler runs, its response never arrives, and the server still
+  // answers pings: the call makes no progress while the server answers,
+  // as on a path that loses packets.
+  fault::Arm("rdma.server.lose_response", /*times=*/1);
+  rdmarpc::Status s;
+  EXPECT_EQ(Echo(channel.get(), 64, &s), rdmarpc::TransportKind::kGrpc) << s;
+  EXPECT_EQ(service_.echo_calls.load(), runs_before + 1)
+      << "the re-send is answered from the kept response, not run again";
+  rdmarpc::ChannelTransportStats stats = channel->transport_stats();
+  EXPECT_EQ(stats.last_trigger, "no progress on RDMA") << stats.ToString();
+  EXPECT_NE(stats.last_error.find("losing packets"), std::string::npos)
+      << stats.last_error;
+  EXPECT_EQ(stats.calls_resent, 1u);
+  ASSERT_TRUE(WaitFor(channel.get(), RdmaHealth::kReady, 10s))
+      << channel->transport_stats().ToString();
+  EXPECT_EQ(Echo(channel.get(), 64), rdmarpc::TransportKind::kRdma);
+}
+
+TEST_F(FallbackTest, HandlerRunningLongerThanThePeerTimeoutIsNotAStall) {
+  Start();
+  rdmarpc::ChannelOptions options;
+  options.rdma_peer_timeout = 300ms;
+  auto channel = Channel(options);
+  ASSERT_EQ(Echo(channel.get(), 64), rdmarpc::TransportKind::kRdma);
+  rdmarpc::ClientContext ctx;
+  EchoRequest req;
+  EchoResponse resp;
+  // Ten peer timeouts: the pongs name the running handler each time.
+  auto slow = StartSlow(channel.get(), &ctx, &req, &resp, /*sleep_ms=*/3000);
+  EXPECT_TRUE(slow.get().ok());
+  EXPECT_EQ(ctx.stats().transport, rdmarpc::TransportKind::kRdma);
+  rdmarpc::ChannelTransportStats stats = channel->transport_stats();
+  EXPECT_EQ(stats.health, RdmaHealth::kReady) << stats.ToString();
+  EXPECT_EQ(stats.calls_resent, 0u);
 }
 
 TEST_F(FallbackTest, HandlerRunningWhenTheConnectionDropsRunsOnce) {
