@@ -69,7 +69,46 @@ small_calls() {
   done
 }
 
+# System calls per call: a command run with 500 and with 2500 calls under
+# `perf stat`, the difference over 2000, so start-up and warm-up cancel out.
+# rpc_bench has both ends in one process; ib_send_lat is counted on its
+# server and its client and summed. Prints "syscalls,SYSTEM,64,per_call,V,n"
+# and "syscalls,SYSTEM,64,futex_per_call,V,n".
+sc_events="raw_syscalls:sys_enter,syscalls:sys_enter_futex"
+sc_tmp="$(mktemp -d)"
+trap 'rm -rf "$sc_tmp"' EXIT
+# perf_counts FILE...: "SYSCALLS FUTEXES" summed over perf stat -x, outputs.
+perf_counts() {
+  awk -F, '$3 == "raw_syscalls:sys_enter" {s += $1}
+           $3 == "syscalls:sys_enter_futex" {f += $1}
+           END {print s + 0, f + 0}' "$@"
+}
+# per_call_rows SYSTEM CALLS "FEW_COUNTS" "MANY_COUNTS"
+per_call_rows() {
+  local system="$1" calls="$2" few="$3" many="$4"
+  awk -v sys="$system" -v n="$calls" -v a="$few" -v b="$many" 'BEGIN {
+    split(a, x, " "); split(b, y, " ");
+    printf "syscalls,%s,64,per_call,%.2f,n\n", sys, (y[1] - x[1]) / n;
+    printf "syscalls,%s,64,futex_per_call,%.2f,n\n", sys, (y[2] - x[2]) / n }'
+}
+# rpc_syscalls STYLE SYSTEM: STYLE is blocking or latency (callback API).
+rpc_syscalls() {
+  local style="$1" sys="$2" n
+  for n in 500 2500; do
+    RDMARPC_BENCH_CALLS=$n perf stat -x, -e "$sc_events" -o "$sc_tmp/$n" \
+      "$bin/rpc_bench" "$style" "$sys" 64 >/dev/null
+  done
+  per_call_rows "$sys-$style" 2000 "$(perf_counts "$sc_tmp/500")" \
+    "$(perf_counts "$sc_tmp/2500")"
+}
+
 if [[ "$group" == grpc ]]; then
+  for sys in grpc grpc-inline stock; do
+    for style in blocking latency; do
+      COMMAND_TEXT="RDMARPC_BENCH_CALLS=500|2500 perf stat -e $sc_events $bin/rpc_bench $style $sys 64" \
+        run syscalls rpc_syscalls "$style" "$sys"
+    done
+  done
   small_calls grpc grpc-inline stock
   for sys in grpc stock; do
     run throughput "$bin/rpc_bench" throughput "$sys" $big_grpc
@@ -105,6 +144,31 @@ perftest_all() {
 }
 COMMAND_TEXT="ib_send_lat -d $dev -R -s SIZE -n 2000 [$addr]; ib_write_bw -d $dev -R -s SIZE -n 20 (5 from 64 MiB) [$addr]" \
   run perftest perftest_all
+# perftest's start-up makes some 200k system calls, give or take 10k, so
+# its difference spans 10000 round trips.
+perftest_syscalls() {
+  local n
+  for n in 1000 11000; do
+    perf stat -x, -e "$sc_events" -o "$sc_tmp/server.$n" \
+      ib_send_lat -d "$dev" -R -s 64 -n "$n" >/dev/null 2>&1 &
+    local server=$!
+    sleep 1
+    perf stat -x, -e "$sc_events" -o "$sc_tmp/client.$n" \
+      ib_send_lat -d "$dev" -R -s 64 -n "$n" "$addr" >/dev/null 2>&1
+    wait "$server" || true
+  done
+  per_call_rows ib_send_lat 10000 \
+    "$(perf_counts "$sc_tmp/server.1000" "$sc_tmp/client.1000")" \
+    "$(perf_counts "$sc_tmp/server.11000" "$sc_tmp/client.11000")"
+}
+COMMAND_TEXT="perf stat -e $sc_events ib_send_lat -d $dev -R -s 64 -n 1000|11000 (server and client)" \
+  run syscalls perftest_syscalls
+for sys in rdma rdma-inline; do
+  for style in blocking latency; do
+    COMMAND_TEXT="RDMARPC_BENCH_CALLS=500|2500 perf stat -e $sc_events $bin/rpc_bench $style $sys 64" \
+      run syscalls rpc_syscalls "$style" "$sys"
+  done
+done
 # The 64 MiB target: rdmarpc and ib_write_bw take turns, 3 rounds, and the
 # summary compares their medians (soft-RoCE's bandwidth drifts from run to
 # run by more than the margin the target leaves).

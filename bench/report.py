@@ -249,6 +249,36 @@ def main():
         md.append("")
         plot(os.path.join(out, f"{exp}.png"), label, exp, unit,
              [(s, get(exp, s, metric)) for s in systems])
+    # System calls per call, both ends, beside ib_send_lat's per round trip.
+    sc = {r["system"]: {} for r in rows if r["experiment"] == "syscalls"}
+    for r in rows:
+        if r["experiment"] == "syscalls":
+            sc[r["system"]][r["metric"]] = float(r["value"])
+    if sc:
+        md += ["## System calls per 64 B call (both ends, perf stat)", "",
+               "Counted as the difference of two runs (500 and 2500 calls; "
+               "ib_send_lat 1000 and 11000 iterations), client and server "
+               "together; ib_send_lat's server and client summed per round "
+               "trip. Under a VM whose clock source is HPET every clock read "
+               "is a system call (perftest reads about 1.4 per iteration and side).", "",
+               "| path | system calls per call | futex calls per call |",
+               "|---|---|---|"]
+        for name in sorted(sc):
+            md.append(f"| {name} | {fmt(sc[name].get('per_call'))} | "
+                      f"{fmt(sc[name].get('futex_per_call'))} |")
+        md.append("")
+        ref = sc.get("ib_send_lat", {}).get("per_call")
+        fast = sc.get("rdma-inline-blocking", {})
+        if ref is not None and "per_call" in fast:
+            extra = fast["per_call"] - ref
+            targets.append(("system calls per call beyond ib_send_lat's, "
+                            "RDMA, blocking stub, inline handlers: 0",
+                            extra, extra <= 0.1))
+        if "futex_per_call" in fast:
+            targets.append(("futex calls per call, RDMA, blocking stub, "
+                            "inline handlers: 0", fast["futex_per_call"],
+                            fast["futex_per_call"] <= 0.1))
+
     cpu = [(s, get("latency", s, "cpu_per_million_calls").get(64))
            for s in ("rdma", "grpc", "stock")]
     if any(v for _, v in cpu):

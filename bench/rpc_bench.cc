@@ -16,6 +16,9 @@
 //                                           in the SEND and by RDMA WRITE
 //                                           (what sets the inline threshold)
 //
+// RDMARPC_BENCH_CALLS=N makes latency, blocking and throughput make exactly
+// N calls per size after the warm-up.
+//
 // SYSTEM: rdma (rdmarpc, policy rdma), grpc (rdmarpc's gRPC fallback,
 // policy grpc), rdma-inline and grpc-inline (the same with the server's
 // handlers run inline, SetRunHandlersInline, not on its worker pool) or stock
@@ -405,9 +408,17 @@ int main(int argc, char** argv) {
       double cpu0 = CpuSeconds();
       double seconds = 0;
       bool small = g_experiment != "throughput";
-      auto us =
-          Sequential(target.get(), bytes, small ? 2000 : 3, small ? 1.0 : 2.0,
-                     &seconds, g_experiment == "blocking");
+      // RDMARPC_BENCH_CALLS=N: exactly N calls (after the warm-up), for
+      // counting what N calls cost (bench/experiments.sh's system calls).
+      const char* fixed = std::getenv("RDMARPC_BENCH_CALLS");
+      int min_calls = small ? 2000 : 3;
+      double min_seconds = small ? 1.0 : 2.0;
+      if (fixed != nullptr && *fixed != '\0') {
+        min_calls = std::atoi(fixed);
+        min_seconds = 0;
+      }
+      auto us = Sequential(target.get(), bytes, min_calls, min_seconds,
+                           &seconds, g_experiment == "blocking");
       double cpu = CpuSeconds() - cpu0;
       if (small) {
         Row(param, "p50", Pct(us, 0.50), "us");
