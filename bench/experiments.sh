@@ -47,12 +47,14 @@ if [[ -n "$quick" ]]; then
   depths="1 8 64"
   conns="1 8 32"
   fans="1 4 8"
+  interfere=67108864
 else
   big_grpc="4096 65536 1048576 16777216 67108864 268435456 1073741824"
   big_rdma="4096 65536 1048576 16777216 67108864 268435456"
   depths="1 2 4 8 16 32 64"
   conns="1 2 4 8 16 32"
   fans="1 2 4 8"
+  interfere=1073741824
 fi
 
 # Small calls: 3 rounds in which the systems take turns; the summary takes
@@ -116,6 +118,7 @@ if [[ "$group" == grpc ]]; then
     run connections "$bin/rpc_bench" connections "$sys" $conns
     run fanout "$bin/rpc_bench" fanout "$sys" $fans
   done
+  run idle "$bin/rpc_bench" idle grpc 32
   exit 0
 fi
 
@@ -131,18 +134,21 @@ perftest() {
       $1 == size && tool == "ib_send_lat" {
         print "perftest,ib_send_lat," size ",t_typical," $5 ",us" }
       $1 == size && tool == "ib_write_bw" {
-        print "perftest,ib_write_bw," size ",bw_average," $4 ",MB/s" }'
+        print "perftest,ib_write_bw," size ",bw_average," $4 ",MB/s" }
+      $1 == size && tool == "ib_send_bw" {
+        print "perftest,ib_send_bw," size ",msg_rate," $5 * 1e6 ",1/s" }'
   wait "$server" || true
 }
 perftest_all() {
   for s in $small; do perftest ib_send_lat "$s" 2000; done
+  perftest ib_send_bw 64 20000
   for s in $big_rdma; do
     n=20
     [[ "$s" -ge 67108864 ]] && n=5
     perftest ib_write_bw "$s" "$n"
   done
 }
-COMMAND_TEXT="ib_send_lat -d $dev -R -s SIZE -n 2000 [$addr]; ib_write_bw -d $dev -R -s SIZE -n 20 (5 from 64 MiB) [$addr]" \
+COMMAND_TEXT="ib_send_lat -d $dev -R -s SIZE -n 2000 [$addr]; ib_send_bw -d $dev -R -s 64 -n 20000 [$addr]; ib_write_bw -d $dev -R -s SIZE -n 20 (5 from 64 MiB) [$addr]" \
   run perftest perftest_all
 # perftest's start-up makes some 200k system calls, give or take 10k, so
 # its difference spans 10000 round trips.
@@ -189,6 +195,8 @@ run throughput "$bin/rpc_bench" throughput rdma $big_rdma
 run inflight "$bin/rpc_bench" inflight rdma $depths
 run connections "$bin/rpc_bench" connections rdma $conns
 run fanout "$bin/rpc_bench" fanout rdma $fans
+run idle "$bin/rpc_bench" idle rdma 32
+run interference "$bin/rpc_bench" interference rdma "$interfere"
 run threshold "$bin/rpc_bench" threshold rdma 256 1024 4096 8192 16384 24576
 micro() {
   "$bin/micro_bench" --benchmark_format=csv 2>/dev/null |

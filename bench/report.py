@@ -279,6 +279,45 @@ def main():
                             "inline handlers: 0", fast["futex_per_call"],
                             fast["futex_per_call"] <= 0.1))
 
+    # Messages per second: calls in flight on one connection against
+    # ib_send_bw's 64 B message rate (a call is two messages).
+    rate = get("perftest", "ib_send_bw", "msg_rate").get(64)
+    cps = get("inflight", "rdma", "calls_per_s")
+    if rate and cps.get(32):
+        r = cps[32] / rate
+        targets.append(("RDMA calls/s with 32 in flight >= 0.25 x "
+                        "ib_send_bw 64 B messages/s", r, r >= 0.25))
+    idle = {s: get("idle", s, "cpu_percent").get(32)
+            for s in ("rdma", "grpc")}
+    if any(v is not None for v in idle.values()):
+        md += ["## Idle: 32 connected channels, no calls, 5 s", "",
+               "| path | CPU, % of a core (both ends) |", "|---|---|"]
+        md += [f"| {s} | {fmt(v)} |" for s, v in idle.items() if v is not None]
+        md.append("")
+        if idle.get("rdma") is not None:
+            targets.append(("idle server, 32 RDMA connections: < 1% of a "
+                            "core", idle["rdma"], idle["rdma"] < 1))
+    for system in ("rdma",):
+        lo = {m: get("interference", system, m)
+              for m in ("idle_p50", "idle_p99", "loaded_p50", "loaded_p99")}
+        if not lo["idle_p99"]:
+            continue
+        md += ["## 64 B calls on one connection while another moves a "
+               "large tensor", "",
+               "| tensor | alone p50 (us) | p99 | loaded p50 (us) | p99 |",
+               "|---|---|---|---|---|"]
+        for b in sorted(lo["idle_p99"]):
+            md.append(f"| {size_text(b)} | {fmt(lo['idle_p50'].get(b))} | "
+                      f"{fmt(lo['idle_p99'].get(b))} | "
+                      f"{fmt(lo['loaded_p50'].get(b))} | "
+                      f"{fmt(lo['loaded_p99'].get(b))} |")
+            r = ratio(lo["loaded_p99"].get(b), lo["idle_p99"].get(b))
+            if r is not None:
+                targets.append((f"small-call p99 while another connection "
+                                f"moves {size_text(b)} <= 3 x its idle p99",
+                                r, r <= 3))
+        md.append("")
+
     cpu = [(s, get("latency", s, "cpu_per_million_calls").get(64))
            for s in ("rdma", "grpc", "stock")]
     if any(v for _, v in cpu):

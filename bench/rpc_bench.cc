@@ -10,6 +10,11 @@
 //                                           channel: calls/s, p50/p99 us
 //   rpc_bench connections SYSTEM COUNTS...  64 B calls, one in flight on each
 //                                           of COUNT channels: calls/s
+//   rpc_bench idle        SYSTEM COUNTS...  COUNT channels connected, no
+//                                           calls for 5 s: CPU % of a core
+//   rpc_bench interference SYSTEM BYTES...  64 B calls on one connection,
+//                                           alone and while another moves
+//                                           BYTES back to back: p50/p99 us
 //   rpc_bench fanout      SYSTEM SERVERS... one 16 MiB tensor to each of
 //                                           SERVERS servers at once: MB/s
 //   rpc_bench threshold   rdma SIZES...     round trip p50 with the tensor
@@ -385,8 +390,9 @@ int main(int argc, char** argv) {
   if (argc < 4) {
     std::fprintf(
         stderr,
-        "usage: %s latency|blocking|throughput|inflight|connections|fanout|"
-        "threshold rdma|grpc|rdma-inline|grpc-inline|stock VALUES...\n",
+        "usage: %s latency|blocking|throughput|inflight|connections|idle|"
+        "interference|fanout|threshold "
+        "rdma|grpc|rdma-inline|grpc-inline|stock VALUES...\n",
         argv[0]);
     return 2;
   }
@@ -456,6 +462,61 @@ int main(int argc, char** argv) {
       Row(param, "p50", Pct(us, 0.50), "us");
       Row(param, "p99", Pct(us, 0.99), "us");
       Row(param, "cpu_per_million_calls", cpu / calls * 1e6, "s");
+    }
+  } else if (g_experiment == "idle") {
+    // Both ends' CPU (this process) while COUNT connected channels make no
+    // calls: what pollers, monitors and timers cost at rest.
+    int port = sys.StartServer();
+    for (uint64_t count : values) {
+      std::vector<std::unique_ptr<Target>> targets;
+      for (uint64_t c = 0; c < count; ++c) {
+        targets.push_back(sys.Connect(port, static_cast<int>(c)));
+        if (!targets.back()->CallBlocking(64)) Fail("warm-up call");
+      }
+      std::this_thread::sleep_for(std::chrono::seconds(1));  // spins end
+      const double seconds = 5;
+      double cpu0 = CpuSeconds();
+      std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+      double cpu = CpuSeconds() - cpu0;
+      Row(std::to_string(count), "cpu_percent", cpu / seconds * 100, "%");
+    }
+  } else if (g_experiment == "interference") {
+    // 64 B calls on one connection alone, then while another connection to
+    // the same server moves tensors of BYTES back to back.
+    int port = sys.StartServer();
+    auto small = sys.Connect(port, 0);
+    auto large = sys.Connect(port, 1);
+    if (!small->CallBlocking(64) || !large->CallBlocking(64)) {
+      Fail("warm-up call");
+    }
+    for (uint64_t bytes : values) {
+      (void)Payload(bytes);  // sized before two threads read it
+      double seconds = 0;
+      auto idle = Sequential(small.get(), 64, 1000, 0.5, &seconds, true);
+      std::atomic<bool> stop{false};
+      std::atomic<int> large_calls{0};
+      std::thread mover([&] {
+        while (!stop.load()) {
+          if (!large->CallBlocking(bytes)) Fail("large call");
+          large_calls.fetch_add(1);
+        }
+      });
+      // Measured from the first large call's start until two have ended.
+      std::vector<double> loaded;
+      while (large_calls.load() < 2 || loaded.size() < 1000) {
+        auto t0 = Clock::now();
+        if (!small->CallBlocking(64)) Fail("call");
+        loaded.push_back(
+            std::chrono::duration<double, std::micro>(Clock::now() - t0)
+                .count());
+      }
+      stop.store(true);
+      mover.join();
+      std::string param = std::to_string(bytes);
+      Row(param, "idle_p50", Pct(idle, 0.50), "us");
+      Row(param, "idle_p99", Pct(idle, 0.99), "us");
+      Row(param, "loaded_p50", Pct(loaded, 0.50), "us");
+      Row(param, "loaded_p99", Pct(loaded, 0.99), "us");
     }
   } else if (g_experiment == "fanout") {
     const size_t bytes = size_t{16} << 20;

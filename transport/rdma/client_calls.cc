@@ -91,13 +91,16 @@ Status ClientEndpoint::health() const {
 
 ClientEndpoint::ProgressWatch ClientEndpoint::WatchProgress(
     std::chrono::steady_clock::time_point now,
-    std::chrono::milliseconds peer_timeout) const {
+    std::chrono::milliseconds peer_timeout,
+    std::chrono::steady_clock::time_point not_still_before) const {
   ProgressWatch watch;
   std::lock_guard<std::mutex> lock(mu_);
   watch.outstanding = calls_.size();
+  watch.last_pong = last_pong_;
   std::chrono::steady_clock::duration worst{};
   for (const auto& [id, r] : calls_) {
-    auto quiet = now - r->moved_at - r->in_flight_allowance;
+    auto quiet =
+        now - std::max(r->moved_at, not_still_before) - r->in_flight_allowance;
     if (quiet >= peer_timeout / 3) watch.ping_needed = true;
     if (quiet >= peer_timeout && quiet > worst) {
       worst = quiet;
@@ -396,6 +399,7 @@ Status ClientEndpoint::OnPong(const FrameView& frame) {
   RDMARPC_ASSIGN_OR_RETURN(Ping pong, ParsePing(frame));
   const auto now = internal::CoarseSteadyNow();
   std::lock_guard<std::mutex> lock(mu_);
+  last_pong_ = now;
   for (uint64_t id : pong.running_call_ids()) {
     auto it = calls_.find(id);
     if (it != calls_.end()) it->second->moved_at = now;

@@ -69,9 +69,14 @@ class ClientEndpoint final
     // none.
     uint64_t stalled_call = 0;
     std::chrono::steady_clock::time_point stalled_since;
+    // When the last pong came (the server answers on RDMA).
+    std::chrono::steady_clock::time_point last_pong;
   };
-  ProgressWatch WatchProgress(std::chrono::steady_clock::time_point now,
-                              std::chrono::milliseconds peer_timeout) const;
+  // A call counts as still from max(when it last moved, `not_still_before`).
+  ProgressWatch WatchProgress(
+      std::chrono::steady_clock::time_point now,
+      std::chrono::milliseconds peer_timeout,
+      std::chrono::steady_clock::time_point not_still_before = {}) const;
   // From now on a closing connection fails its calls instead of re-sending
   // them (the channel is going away).
   void BeginShutdown();
@@ -118,6 +123,7 @@ class ClientEndpoint final
   std::map<uint64_t, std::unique_ptr<ClientRecord>> calls_;
   GrantTable grants_;
   std::set<uint64_t> early_cancels_;
+  std::chrono::steady_clock::time_point last_pong_;
   bool shutting_down_ = false;
   bool on_closed_done_ = false;
   std::condition_variable closed_cv_;

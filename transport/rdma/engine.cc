@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/coarse_clock.h"
 #include "runtime/spin.h"
 #include "transport/rdma/connection.h"
 #include "transport/rdma/verbs.h"
@@ -23,6 +24,8 @@ constexpr uint64_t kDeviceTag = 1;
 
 // How often a busy engine looks at the devices' asynchronous events.
 constexpr std::chrono::milliseconds kAsyncEventPeriod(10);
+// A pass over the connections longer than this held their calls still.
+constexpr std::chrono::milliseconds kLongPass(100);
 
 }  // namespace
 
@@ -181,9 +184,12 @@ void Engine::ReleaseDevicesLocked() {
 void Engine::Loop() {
   const internal::SpinClock& clock = internal::SpinClock::Get();
   const uint64_t event_period = clock.Ticks(kAsyncEventPeriod);
+  const uint64_t long_pass = clock.Ticks(kLongPass);
   std::vector<std::shared_ptr<Connection>> conns;
   uint64_t last_progress = clock.Now();
   uint64_t last_events = last_progress;
+  uint64_t pass_began = last_progress;
+  pass_began_.store(pass_began, std::memory_order_relaxed);
   while (true) {
     if (added_pending_.exchange(false, std::memory_order_acquire)) {
       std::lock_guard<std::mutex> lock(mu_);
@@ -207,6 +213,13 @@ void Engine::Loop() {
       ++i;
     }
     uint64_t now = clock.Now();
+    if (now - pass_began >= long_pass) {
+      long_pass_ended_.store(
+          internal::CoarseSteadyNow().time_since_epoch().count(),
+          std::memory_order_relaxed);
+    }
+    pass_began = now;
+    pass_began_.store(now, std::memory_order_relaxed);
     // Busy or not, async events (a port going down) must not wait long.
     if (now - last_events >= event_period) {
       last_events = now;
@@ -226,9 +239,22 @@ void Engine::Loop() {
     for (auto& c : conns) c->Arm();
     for (auto& c : conns) progress |= c->Poll();
     if (progress) continue;
+    pass_began_.store(0, std::memory_order_relaxed);
     HandleEpoll(-1);
     last_progress = clock.Now();
+    pass_began = last_progress;
+    pass_began_.store(pass_began, std::memory_order_relaxed);
   }
+}
+
+std::chrono::steady_clock::time_point Engine::NotStillBefore(
+    std::chrono::steady_clock::time_point now) const {
+  const internal::SpinClock& clock = internal::SpinClock::Get();
+  uint64_t began = pass_began_.load(std::memory_order_relaxed);
+  if (began != 0 && clock.Now() - began >= clock.Ticks(kLongPass)) return now;
+  return std::chrono::steady_clock::time_point(
+      std::chrono::steady_clock::duration(
+          long_pass_ended_.load(std::memory_order_relaxed)));
 }
 
 void Engine::HandleEpoll(int timeout_ms) {

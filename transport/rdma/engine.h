@@ -57,6 +57,14 @@ class Engine {
   // with synthetic events.
   void HandleAsyncEvent(ibv_context* device, const ibv_async_event& event);
 
+  // For the calls' progress watch (rdma_client.cc): time the engine spent
+  // inside one long pass over its connections (registering a large landing
+  // buffer, for one) held every call of the process still, and that is no
+  // fault of the path. Returns `now` while such a pass runs, else when the
+  // last one ended: no call counts as still before it.
+  std::chrono::steady_clock::time_point NotStillBefore(
+      std::chrono::steady_clock::time_point now) const;
+
  private:
   Engine();
   void Loop();
@@ -77,6 +85,11 @@ class Engine {
   std::vector<std::weak_ptr<Connection>> live_;
   std::map<ibv_context*, bool> watched_devices_;  // value: fd still in epoll
   std::thread thread_;
+  // SpinClock time the current pass over the connections began; 0 while
+  // the engine sleeps.
+  std::atomic<uint64_t> pass_began_{0};
+  // steady_clock ticks (coarse) when the last long pass ended.
+  std::atomic<std::chrono::steady_clock::rep> long_pass_ended_{0};
 };
 
 }  // namespace rdmarpc::rdma

@@ -1,8 +1,13 @@
 #include "transport/rdma/rdma_client.h"
 
+#include <poll.h>
 #include <pthread.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -11,6 +16,7 @@
 #include "runtime/fault_injection.h"
 #include "transport/rdma/client_calls.h"
 #include "transport/rdma/connection_setup.h"
+#include "transport/rdma/engine.h"
 #include "transport/rdma/handshake.h"
 #include "transport/rdma/wire.h"
 
@@ -79,6 +85,10 @@ internal::FastConnectResult RdmaClientTransport::Connect(
                     ")");
   }
   t->endpoint_->Attach(t->conn_);
+  t->wake_fd_ = UniqueFd(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (t->wake_fd_.get() < 0) {
+    return Failed(absl::StrCat("eventfd: ", std::strerror(errno)));
+  }
   t->monitor_ = std::thread([raw = t.get()] { raw->Monitor(); });
   pthread_setname_np(t->monitor_.native_handle(), "rdmarpc-monitor");
   return {std::move(t), absl::OkStatus()};
@@ -86,7 +96,10 @@ internal::FastConnectResult RdmaClientTransport::Connect(
 
 RdmaClientTransport::~RdmaClientTransport() {
   stop_.store(true);
-  if (monitor_.joinable()) monitor_.join();
+  if (monitor_.joinable()) {
+    WakeMonitor();
+    monitor_.join();
+  }
   if (!conn_) return;  // Connect failed: no connection, no calls
   endpoint_->BeginShutdown();
   conn_->Close(absl::UnavailableError("the channel was destroyed"),
@@ -100,6 +113,8 @@ void RdmaClientTransport::Monitor() {
   // after it); none while it is the epoch.
   SteadyClock::time_point ping_sent_at;
   uint64_t ping_sequence = 0;
+  // When a call was last seen outstanding (or woke the monitor).
+  SteadyClock::time_point active_at = internal::CoarseSteadyNow();
   while (!stop_.load()) {
     std::chrono::milliseconds wait = endpoint_->ExpireDeadlines();
     if (RDMARPC_FAULT("rdma.client.qp_error")) {
@@ -116,14 +131,16 @@ void RdmaClientTransport::Monitor() {
     // over gRPC with the same call id.
     if (peer_timeout_.count() > 0) {
       const auto now = internal::CoarseSteadyNow();
-      ClientEndpoint::ProgressWatch watch =
-          endpoint_->WatchProgress(now, peer_timeout_);
+      ClientEndpoint::ProgressWatch watch = endpoint_->WatchProgress(
+          now, peer_timeout_, Engine::Get().NotStillBefore(now));
       const SteadyClock::time_point heard = conn_->last_heard();
       if (watch.stalled_call != 0 && !conn_->closed()) {
         auto still_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
                             now - watch.stalled_since)
                             .count();
-        if (heard < watch.stalled_since) {
+        // Pongs go out only for calls still for a third of the timeout,
+        // so one after the call last moved is an answer to its ping.
+        if (watch.last_pong <= watch.stalled_since) {
           conn_->Close(
               absl::UnavailableError(absl::StrCat(
                   "the server did not answer on RDMA for ", still_ms,
@@ -153,8 +170,35 @@ void RdmaClientTransport::Monitor() {
             wait, std::max(std::chrono::milliseconds(1), peer_timeout_ / 6));
       }
     }
-    auto event = NextCmEvent(conn_->cm_events(), wait);
-    if (!event.ok()) continue;  // timeout: check again
+    // After a second without calls, rest. Only when no call is
+    // outstanding after announcing it: a call started before the
+    // announcement is seen here, one started after it finds
+    // monitor_resting_ set and wakes us. (A channel in use never rests,
+    // so its callers never pay for the wake-up.)
+    const auto checked_at = internal::CoarseSteadyNow();
+    if (endpoint_->WatchProgress(checked_at, peer_timeout_).outstanding > 0) {
+      active_at = checked_at;
+    } else if (checked_at - active_at >= std::chrono::seconds(1)) {
+      monitor_resting_.store(true);
+      if (endpoint_->WatchProgress(checked_at, peer_timeout_).outstanding ==
+          0) {
+        wait = std::chrono::milliseconds(1000);
+      } else {
+        monitor_resting_.store(false);
+      }
+    }
+    pollfd fds[2] = {{conn_->cm_events()->fd, POLLIN, 0},
+                     {wake_fd_.get(), POLLIN, 0}};
+    int ready = poll(fds, 2, static_cast<int>(wait.count()));
+    monitor_resting_.store(false);
+    if (ready > 0 && (fds[1].revents & POLLIN) != 0) {
+      uint64_t drained = 0;
+      (void)!read(wake_fd_.get(), &drained, sizeof(drained));
+      active_at = internal::CoarseSteadyNow();
+    }
+    if (ready <= 0 || (fds[0].revents & POLLIN) == 0) continue;
+    auto event = NextCmEvent(conn_->cm_events(), std::chrono::milliseconds(0));
+    if (!event.ok()) continue;
     switch (event->type) {
       case RDMA_CM_EVENT_DISCONNECTED:
         conn_->Close(
@@ -175,6 +219,12 @@ void RdmaClientTransport::Start(internal::ClientCall call) {
   internal::ClientContextAccess::mutable_stats(call.ctx)->transport_reason =
       description_;
   endpoint_->Start(std::move(call));
+  if (monitor_resting_.exchange(false)) WakeMonitor();
+}
+
+void RdmaClientTransport::WakeMonitor() {
+  uint64_t one = 1;
+  (void)!write(wake_fd_.get(), &one, sizeof(one));
 }
 
 Status RdmaClientTransport::health() const { return endpoint_->health(); }

@@ -66,15 +66,21 @@ class RdmaClientTransport final : public internal::FastTransport {
 
  private:
   RdmaClientTransport() = default;
-  // Expires deadlines, watches the connection's CM events, pings a silent
-  // server and closes the connection when it stays silent.
+  // Expires deadlines, watches the connection's CM events and the calls'
+  // progress (pings, closes a connection whose calls stopped moving).
   void Monitor();
+  void WakeMonitor();
 
   std::string description_;
   std::chrono::milliseconds peer_timeout_{0};
   std::shared_ptr<ClientEndpoint> endpoint_;
   std::shared_ptr<Connection> conn_;
   std::atomic<bool> stop_{false};
+  // With no call outstanding the monitor rests up to a second; the first
+  // call after that (or the destructor) wakes it through `wake_fd_`, so a
+  // resting channel costs one wake-up a second and a busy one no write.
+  UniqueFd wake_fd_;
+  std::atomic<bool> monitor_resting_{false};
   std::thread monitor_;
 };
 
