@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "runtime/call_log.h"
 #include "runtime/random.h"
+#include "runtime/spin.h"
 #include "runtime/thread_pool.h"
 #include "runtime/transport.h"
 #include "transport/grpc/grpc_server.h"
@@ -47,6 +48,12 @@ void ServerContext::set_cuda_stream(void* stream) {
 }
 
 namespace internal {
+namespace {
+
+// An inline handler that holds its thread this long counts as a stall.
+constexpr std::chrono::milliseconds kInlineStall(1);
+
+}  // namespace
 
 class ServerDispatcher final : public Dispatcher {
  public:
@@ -138,6 +145,8 @@ class ServerDispatcher final : public Dispatcher {
           m.response_prototype->New());
       ServerContext ctx(state.get());
       Status status;
+      const internal::SpinClock& clock = internal::SpinClock::Get();
+      const uint64_t began = run_inline_ ? clock.Now() : 0;
       try {
         status = m.handler(&ctx, *request, response.get());
       } catch (const std::exception& e) {
@@ -146,6 +155,9 @@ class ServerDispatcher final : public Dispatcher {
       } catch (...) {
         status = absl::InternalError(
             absl::StrCat("handler of ", m.path, " threw a non-exception"));
+      }
+      if (run_inline_ && clock.Now() - began >= clock.Ticks(kInlineStall)) {
+        inline_stalls_.fetch_add(1, std::memory_order_relaxed);
       }
       done(std::move(status), std::move(response));
     };
@@ -174,7 +186,8 @@ class ServerDispatcher final : public Dispatcher {
             .not_started_cancelled =
                 not_started_cancelled_.load(std::memory_order_relaxed),
             .not_started_past_deadline =
-                not_started_past_deadline_.load(std::memory_order_relaxed)};
+                not_started_past_deadline_.load(std::memory_order_relaxed),
+            .inline_stalls = inline_stalls_.load(std::memory_order_relaxed)};
   }
 
  private:
@@ -204,6 +217,7 @@ class ServerDispatcher final : public Dispatcher {
   std::atomic<uint64_t> started_{0};
   std::atomic<uint64_t> not_started_cancelled_{0};
   std::atomic<uint64_t> not_started_past_deadline_{0};
+  std::atomic<uint64_t> inline_stalls_{0};
   CallLog log_;
   ThreadPool pool_;
   std::mutex sweep_mu_;

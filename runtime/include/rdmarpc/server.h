@@ -160,6 +160,11 @@ struct HandlerStats {
   // Calls not started because their deadline passed while they queued
   // (they end DEADLINE_EXCEEDED).
   uint64_t not_started_past_deadline = 0;
+  // Handlers run inline (ServerBuilder::SetRunHandlersInline) that held
+  // the receiving thread for 1 ms or more. Each one stalled every
+  // connection that thread serves; a server that counts them should run
+  // its handlers on the worker pool.
+  uint64_t inline_stalls = 0;
 };
 
 class Server;
@@ -219,8 +224,12 @@ class ServerBuilder {
   ServerBuilder& SetRdmaLandingPoolBytes(uint64_t bytes);
 
   // Runs handlers on the thread that received the call (the RDMA
-  // completion engine or a gRPC thread) instead of the worker pool: less
-  // latency, but a handler that blocks stalls every connection.
+  // completion engine or a gRPC thread) instead of the worker pool: no
+  // hand-off, so less latency, but every connection that thread serves
+  // waits while a handler runs. Only for handlers that never block (no
+  // I/O, no locks held by slow code, no waiting on other calls) and finish
+  // in microseconds; HandlerStats::inline_stalls counts those that took
+  // 1 ms or more.
   ServerBuilder& SetRunHandlersInline(bool run_inline);
 
   // Starts serving. INVALID_ARGUMENT for a bad configuration, UNAVAILABLE if

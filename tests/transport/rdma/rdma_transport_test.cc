@@ -184,6 +184,27 @@ TEST(RdmaTransport, InlineHandlersServeSentAndWrittenTensors) {
   EXPECT_EQ(service.echo_calls.load(), 66);
 }
 
+// A handler that blocks on the engine is counted, so it can be found.
+TEST(RdmaTransport, InlineHandlerThatBlocksIsCountedAsAStall) {
+  Service service;
+  int port = 0;
+  auto server = rdmarpc::ServerBuilder()
+                    .AddListeningPort("127.0.0.1:0", &port)
+                    .RegisterService(&service)
+                    .SetRunHandlersInline(true)
+                    .BuildAndStart();
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = E2E::NewStub(RdmaChannel(port));
+  EXPECT_EQ((*server)->handler_stats().inline_stalls, 0u);
+  ClientContext ctx;
+  EchoRequest req;
+  EchoResponse resp;
+  req.set_sleep_ms(20);
+  ASSERT_TRUE(stub->Slow(&ctx, req, &resp).ok());
+  EXPECT_EQ(ctx.stats().transport, rdmarpc::TransportKind::kRdma);
+  EXPECT_EQ((*server)->handler_stats().inline_stalls, 1u);
+}
+
 TEST(RdmaTransport, ThirtyTwoConnectionsToOneServer) {
   Service service;
   int port = 0;
