@@ -53,7 +53,7 @@ TransportKind Channel::StartCall(std::string_view method, ClientContext* ctx,
                                  const google::protobuf::Message& request,
                                  google::protobuf::Message* response,
                                  std::function<void(Status)> done,
-                                 bool done_runs_inline) {
+                                 bool done_runs_inline, bool caller_drives) {
   if (!internal::ClientContextAccess::MarkStarted(ctx)) {
     done(absl::FailedPreconditionError(
         "ClientContext used for a second call; use one per call"));
@@ -74,6 +74,7 @@ TransportKind Channel::StartCall(std::string_view method, ClientContext* ctx,
   call.max_response_tensor_bytes = options_.max_response_tensor_bytes;
   call.done = std::move(done);
   call.done_runs_inline = done_runs_inline;
+  call.caller_drives = caller_drives;
   return router_->Route(std::move(call));
 }
 
@@ -143,7 +144,7 @@ Status Channel::Call(std::string_view method, ClientContext* ctx,
   TransportKind took = StartCall(
       method, ctx, request, response,
       [waiter](Status s) { waiter->Complete(std::move(s)); },
-      /*done_runs_inline=*/true);
+      /*done_runs_inline=*/true, /*caller_drives=*/true);
   return waiter->Wait(took == TransportKind::kRdma ? posted : 0);
 }
 

@@ -48,6 +48,10 @@ struct ClientCall {
   // CallFuture): a transport may run it on its own thread, such as the RDMA
   // completion engine, instead of handing it to the callback thread.
   bool done_runs_inline = false;
+  // The thread that calls Start waits for `done` right after (Channel::Call):
+  // a transport may drive the whole call on it and return once done ran.
+  // Only the router's first hand-off keeps it; a re-send never blocks.
+  bool caller_drives = false;
 };
 
 class ClientTransport {

@@ -229,6 +229,9 @@ void TransportRouter::SendOverFallback(ClientCall call, std::string why) {
 }
 
 TransportKind TransportRouter::Route(ClientCall call) {
+  // Calls that wait for RDMA or go over it complete on other threads, and
+  // may be re-sent from those.
+  const bool caller_drives = std::exchange(call.caller_drives, false);
   std::shared_ptr<FastTransport> fast;
   std::string why;
   {
@@ -260,6 +263,7 @@ TransportKind TransportRouter::Route(ClientCall call) {
     }
   }
   if (!fast) {
+    call.caller_drives = caller_drives;
     SendOverFallback(std::move(call), std::move(why));
     return TransportKind::kGrpc;
   }

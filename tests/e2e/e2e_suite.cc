@@ -191,6 +191,25 @@ TEST_P(E2ETest, ClientCancellationGivesCancelledOnce) {
   EXPECT_EQ(callbacks.load(), 1);
 }
 
+// A blocking call is driven on its caller's thread (over gRPC through a
+// completion queue of its own): cancelling it from another thread ends it.
+TEST_P(E2ETest, BlockingCallCancelledFromAnotherThreadGivesCancelled) {
+  ClientContext ctx;
+  EchoRequest req;
+  req.set_sleep_ms(10000);
+  EchoResponse resp;
+  std::thread canceller([&] {
+    for (int i = 0; i < 500 && service_.slow_started.load() == 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ctx.TryCancel();
+  });
+  rdmarpc::Status status = stub_->Slow(&ctx, req, &resp);
+  canceller.join();
+  EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
+  EXPECT_EQ(service_.slow_started.load(), 1);
+}
+
 TEST_P(E2ETest, CancelBeforeStartFailsWithoutSending) {
   ClientContext ctx;
   ctx.TryCancel();

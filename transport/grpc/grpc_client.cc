@@ -1,11 +1,13 @@
 #include "transport/grpc/grpc_client.h"
 
 #include <grpcpp/client_context.h>
+#include <grpcpp/completion_queue.h>
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
 #include <grpcpp/support/client_callback.h>
 
+#include <cstdint>
 #include <future>
 #include <mutex>
 #include <utility>
@@ -39,39 +41,38 @@ class GrpcCanceller final : public internal::CallCanceller {
   grpc::ClientContext* ctx_;
 };
 
-// One call: writes the lean request, reads the lean response. Deleted after
-// OnDone: on that gRPC thread while the transport (and so its reference to
-// the grpc::Channel) lives, else on a runtime thread. The user's callback runs
-// when both the call is done and gRPC has released every slice that references
-// the request's tensor memory.
-class ClientCallReactor final
-    : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+// What one lean call holds, whichever thread drives it: the request as a
+// head and chunks, the response's receiver, and the outcome. The caller of
+// `done` waits for gRPC to release every slice that references the request's
+// tensor memory (see DeferredCompletion).
+class LeanCall {
  public:
-  ClientCallReactor(internal::ClientCall call, size_t chunk_bytes,
-                    std::shared_ptr<ChannelLife> life)
+  LeanCall(internal::ClientCall call, size_t chunk_bytes)
       : call_(std::move(call)),
         chunk_bytes_(chunk_bytes),
-        life_(std::move(life)),
         receiver_(
             [this](const LeanHead& head) { return OnResponseHead(head); }) {}
 
-  void Start(grpc::GenericStub* stub) {
+  // Plans and serializes the request and sets up gctx_. On an error the
+  // call must end with FailBeforeStart.
+  Status Prepare() {
     ClientContext* ctx = call_.ctx;
-    auto plan = internal::PlanOutgoing(*call_.request, ctx->tensors());
-    if (!plan.ok()) return FailBeforeStart(plan.status());
+    RDMARPC_ASSIGN_OR_RETURN(
+        internal::OutgoingPlan plan,
+        internal::PlanOutgoing(*call_.request, ctx->tensors()));
     std::string message;
     if (!call_.request->SerializeToString(&message)) {
-      return FailBeforeStart(absl::InvalidArgumentError(
+      return absl::InvalidArgumentError(
           "request message cannot be serialized (over protobuf's 2 GiB "
-          "limit without its tensors?)"));
+          "limit without its tensors?)");
     }
     CallStats* stats = internal::ClientContextAccess::mutable_stats(ctx);
-    stats->tensor_bytes_sent = plan->total_bytes;
-    for (const auto& t : plan->tensors) {
+    stats->tensor_bytes_sent = plan.total_bytes;
+    for (const auto& t : plan.tensors) {
       if (!t.out_of_band) stats->cpu_copied_bytes += t.size;  // serialized
     }
     completion_ = std::make_shared<internal::DeferredCompletion>();
-    sender_.emplace(MakeHead(std::move(message), *plan, call_.call_id), *plan,
+    sender_.emplace(MakeHead(std::move(message), plan, call_.call_id), plan,
                     chunk_bytes_, completion_);
 
     gctx_.AddMetadata(kFramingKey, kFramingLean);
@@ -89,38 +90,37 @@ class ClientCallReactor final
     gctx_.set_initial_metadata_corked(true);
     canceller_ = std::make_shared<GrpcCanceller>(&gctx_);
     if (!internal::ClientContextAccess::AttachCanceller(ctx, canceller_)) {
-      return FailBeforeStart(
-          absl::CancelledError("call cancelled before start"));
+      return absl::CancelledError("call cancelled before start");
     }
-
-    stub->PrepareBidiStreamingCall(&gctx_, call_.method, grpc::StubOptions(),
-                                   this);
-    StartRead(&read_buf_);
-    WriteNext();
-    StartCall();
+    return absl::OkStatus();
   }
 
-  void OnWriteDone(bool ok) override {
-    if (ok) WriteNext();
+  // Fills write_buf_ with the next request message: false when none is left
+  // or the call is being cancelled for a local error.
+  bool NextWrite(bool* last) {
+    auto more = sender_->Next(&write_buf_, last);
+    if (!more.ok()) {
+      FailLocally(more.status());
+      return false;
+    }
+    return *more;
   }
 
-  void OnReadDone(bool ok) override {
-    if (!ok) return;  // stream ended; OnDone follows
+  // Takes read_buf_: whether another read is wanted.
+  bool OnRead() {
     Status s = receiver_.OnMessage(read_buf_);
     if (!s.ok()) {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        local_error_ = s;
-      }
-      gctx_.TryCancel();
-      return;
+      FailLocally(std::move(s));
+      return false;
     }
-    // Once the response is complete only the status is left, and OnDone
-    // brings it: one read (and its callback) fewer per call.
-    if (!receiver_.complete()) StartRead(&read_buf_);
+    // Once the response is complete only the status is left, and the end
+    // of the call brings it: one read fewer per call.
+    return !receiver_.complete();
   }
 
-  void OnDone(const grpc::Status& grpc_status) override {
+  // The call's outcome from gRPC's status; arms completion_ with `done`.
+  // The done runs when the last reference to completion_ goes.
+  void Conclude(const grpc::Status& grpc_status) {
     canceller_->Detach();
     internal::ClientContextAccess::DetachCanceller(call_.ctx);
     Status status;
@@ -138,11 +138,85 @@ class ClientCallReactor final
     stats->cpu_copied_bytes += sender_->cpu_copied_bytes() +
                                receiver_.cpu_copied_bytes() + accept_copied_;
     stats->tensor_bytes_received = received_bytes_;
-    // The callback waits for gRPC to drop the request's slices (they may
-    // reference borrowed memory); they go at the latest with gctx_ below.
     completion_->Arm(std::move(call_.done), std::move(status));
     completion_.reset();
     sender_.reset();
+  }
+
+  // Ends a call that Prepare refused; `self` owns this.
+  template <typename Self>
+  static void FailBeforeStart(Self* self, Status s) {
+    auto done = std::move(self->call_.done);
+    delete self;
+    done(std::move(s));
+  }
+
+ protected:
+  void FailLocally(Status s) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      local_error_ = std::move(s);
+    }
+    gctx_.TryCancel();
+  }
+
+  StatusOr<std::vector<TensorBuffer>> OnResponseHead(const LeanHead& head) {
+    RDMARPC_ASSIGN_OR_RETURN(
+        internal::IncomingResult r,
+        AcceptHead(head, call_.response, call_.ctx->response_placement(),
+                   call_.max_response_tensor_bytes, nullptr,
+                   &call_.ctx->tensors(),
+                   call_.ctx->response_tensor_buffers()));
+    received_bytes_ = r.total_bytes;
+    accept_copied_ = r.cpu_copied_bytes;
+    return std::move(r.landing);
+  }
+
+  internal::ClientCall call_;
+  size_t chunk_bytes_;
+  grpc::ClientContext gctx_;
+  std::shared_ptr<GrpcCanceller> canceller_;
+  std::shared_ptr<internal::DeferredCompletion> completion_;
+  std::optional<LeanSender> sender_;
+  LeanReceiver receiver_;
+  grpc::ByteBuffer write_buf_;
+  grpc::ByteBuffer read_buf_;
+  std::mutex mu_;
+  Status local_error_;
+  uint64_t received_bytes_ = 0;
+  uint64_t accept_copied_ = 0;
+};
+
+// A call driven by gRPC's callback threads. Deleted after OnDone: on that
+// gRPC thread while the transport (and so its reference to the
+// grpc::Channel) lives, else on a runtime thread.
+class ClientCallReactor final
+    : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
+      private LeanCall {
+ public:
+  ClientCallReactor(internal::ClientCall call, size_t chunk_bytes,
+                    std::shared_ptr<ChannelLife> life)
+      : LeanCall(std::move(call), chunk_bytes), life_(std::move(life)) {}
+
+  void Start(grpc::GenericStub* stub) {
+    if (Status s = Prepare(); !s.ok()) return FailBeforeStart(this, s);
+    stub->PrepareBidiStreamingCall(&gctx_, call_.method, grpc::StubOptions(),
+                                   this);
+    StartRead(&read_buf_);
+    WriteNext();
+    StartCall();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (ok) WriteNext();
+  }
+
+  void OnReadDone(bool ok) override {
+    if (ok && OnRead()) StartRead(&read_buf_);
+  }
+
+  void OnDone(const grpc::Status& grpc_status) override {
+    Conclude(grpc_status);
     // gctx_ may hold the last reference to the grpc::Channel (the user can
     // drop the rdmarpc::Channel once the callback ran). gRPC 1.51 must not
     // release its shared callback queue from one of that queue's own
@@ -161,24 +235,11 @@ class ClientCallReactor final
   }
 
  private:
-  void FailBeforeStart(Status s) {
-    auto done = std::move(call_.done);
-    delete this;
-    done(std::move(s));
-  }
+  friend class LeanCall;
 
   void WriteNext() {
     bool last = false;
-    auto more = sender_->Next(&write_buf_, &last);
-    if (!more.ok()) {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        local_error_ = more.status();
-      }
-      gctx_.TryCancel();
-      return;
-    }
-    if (!*more) return;
+    if (!NextWrite(&last)) return;
     if (last) {
       StartWriteLast(&write_buf_, grpc::WriteOptions());
     } else {
@@ -186,32 +247,81 @@ class ClientCallReactor final
     }
   }
 
-  StatusOr<std::vector<TensorBuffer>> OnResponseHead(const LeanHead& head) {
-    RDMARPC_ASSIGN_OR_RETURN(
-        internal::IncomingResult r,
-        AcceptHead(head, call_.response, call_.ctx->response_placement(),
-                   call_.max_response_tensor_bytes, nullptr,
-                   &call_.ctx->tensors(),
-                   call_.ctx->response_tensor_buffers()));
-    received_bytes_ = r.total_bytes;
-    accept_copied_ = r.cpu_copied_bytes;
-    return std::move(r.landing);
+  std::shared_ptr<ChannelLife> life_;
+};
+
+// A call driven on the thread that waits for it (Channel::Call), through a
+// completion queue of its own, as gRPC's own blocking stubs do: gRPC's
+// poller runs on that thread, so the response needs no thread wake-up.
+// Returns once `done` ran or was handed on (DeferredCompletion).
+class CallerDrivenCall final : private LeanCall {
+ public:
+  using LeanCall::LeanCall;
+
+  static void Run(internal::ClientCall call, size_t chunk_bytes,
+                  grpc::GenericStub* stub) {
+    auto* self = new CallerDrivenCall(std::move(call), chunk_bytes);
+    if (Status s = self->Prepare(); !s.ok()) {
+      return FailBeforeStart(self, std::move(s));
+    }
+    self->Drive(stub);
+    delete self;  // drops gRPC's slices: `done` runs here, if not before
   }
 
-  internal::ClientCall call_;
-  size_t chunk_bytes_;
-  std::shared_ptr<ChannelLife> life_;
-  grpc::ClientContext gctx_;
-  std::shared_ptr<GrpcCanceller> canceller_;
-  std::shared_ptr<internal::DeferredCompletion> completion_;
-  std::optional<LeanSender> sender_;
-  LeanReceiver receiver_;
-  grpc::ByteBuffer write_buf_;
-  grpc::ByteBuffer read_buf_;
-  std::mutex mu_;
-  Status local_error_;
-  uint64_t received_bytes_ = 0;
-  uint64_t accept_copied_ = 0;
+ private:
+  friend class LeanCall;
+  enum Tag : uintptr_t { kWrite = 1, kRead, kFinish };
+
+  void Drive(grpc::GenericStub* stub) {
+    grpc::CompletionQueue cq;
+    auto stream = stub->PrepareCall(&gctx_, call_.method, &cq);
+    // Corked: the metadata goes with the first write, and no tag comes back.
+    stream->StartCall(nullptr);
+    int pending = 0;
+    auto write_next = [&] {
+      bool last = false;
+      if (!NextWrite(&last)) return;
+      grpc::WriteOptions options;
+      if (last) options.set_last_message();
+      stream->Write(write_buf_, options, Tagged(kWrite));
+      ++pending;
+    };
+    write_next();
+    stream->Read(&read_buf_, Tagged(kRead));
+    ++pending;
+    grpc::Status grpc_status;
+    // The status comes after the last response message; asking for it now
+    // saves a round through the queue.
+    stream->Finish(&grpc_status, Tagged(kFinish));
+    ++pending;
+    void* tag = nullptr;
+    bool ok = false;
+    while (pending > 0 && cq.Next(&tag, &ok)) {
+      --pending;
+      switch (static_cast<Tag>(reinterpret_cast<uintptr_t>(tag))) {
+        case kWrite:
+          if (ok) write_next();
+          break;
+        case kRead:
+          if (ok && OnRead()) {
+            stream->Read(&read_buf_, Tagged(kRead));
+            ++pending;
+          }
+          break;
+        case kFinish:
+          break;
+      }
+    }
+    stream.reset();
+    cq.Shutdown();
+    while (cq.Next(&tag, &ok)) {
+    }
+    Conclude(grpc_status);
+  }
+
+  static void* Tagged(Tag t) {
+    return reinterpret_cast<void*>(static_cast<uintptr_t>(t));
+  }
 };
 
 }  // namespace
@@ -270,6 +380,10 @@ StatusOr<std::string> GrpcClientTransport::UnaryBytes(
 }
 
 void GrpcClientTransport::Start(internal::ClientCall call) {
+  if (call.caller_drives) {
+    CallerDrivenCall::Run(std::move(call), chunk_bytes_, &stub_);
+    return;
+  }
   (new ClientCallReactor(std::move(call), chunk_bytes_, life_))->Start(&stub_);
 }
 
