@@ -517,6 +517,9 @@ int main(int argc, char** argv) {
       Row(param, "idle_p99", Pct(idle, 0.99), "us");
       Row(param, "loaded_p50", Pct(loaded, 0.50), "us");
       Row(param, "loaded_p99", Pct(loaded, 0.99), "us");
+      Row(param, "loaded_max", Pct(loaded, 1.0), "us");
+      Row(param, "loaded_calls", static_cast<double>(loaded.size()), "calls");
+      Row(param, "large_calls", large_calls.load(), "calls");
     }
   } else if (g_experiment == "fanout") {
     const size_t bytes = size_t{16} << 20;

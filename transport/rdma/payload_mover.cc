@@ -9,6 +9,19 @@
 namespace rdmarpc::rdma {
 namespace {
 
+// Host landing memory; once large, its pages are unmapped aside (see
+// kRegisterAsideBytes) wherever its last user lets it go.
+StatusOr<TensorBuffer> AllocateHostLanding(uint64_t size) {
+  RDMARPC_ASSIGN_OR_RETURN(TensorBuffer buffer, TensorBuffer::Allocate(size));
+  if (size < kRegisterAsideBytes) return buffer;
+  void* data = buffer.data();
+  std::shared_ptr<const void> owner(
+      data, [held = std::move(buffer)](const void*) mutable {
+        RunAside([last = std::move(held)] {});
+      });
+  return TensorBuffer::Share(std::move(owner), data, size, Device::Host());
+}
+
 class HostMover final : public PayloadMover {
  public:
   GpuRdmaMode mode() const override { return GpuRdmaMode::kStaging; }
@@ -28,7 +41,7 @@ class HostMover final : public PayloadMover {
                                          TensorBuffer supplied,
                                          TensorBuffer*) const override {
     if (!supplied.empty()) return supplied;
-    return TensorBuffer::Allocate(size);
+    return AllocateHostLanding(size);
   }
   StatusOr<MemoryRegion> RegisterLanding(
       ibv_pd* pd, const TensorBuffer& landing) const override {

@@ -2,10 +2,13 @@
 
 #include <unistd.h>
 
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "rdmarpc/memory.h"
+#include "runtime/thread_pool.h"
 
 namespace rdmarpc {
 namespace rdma {
@@ -155,6 +158,23 @@ void RegistrationCache::Clear() {
 StatusOr<MemoryRegion> RegisterLanding(ibv_pd* pd, void* addr, size_t size) {
   return RegisterMemory(pd, addr, size,
                         IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+}
+
+void RunAside(std::function<void()> task) {
+  // Never destroyed: regions may be dropped during static destruction.
+  static internal::ThreadPool* pool =
+      new internal::ThreadPool(1, "rdmarpc-reg");
+  pool->Post(std::move(task));
+}
+
+void DeregisterAside(std::vector<MemoryRegion> mrs,
+                     std::shared_ptr<const void> pd_owner) {
+  if (mrs.empty()) return;
+  RunAside([mrs = std::make_shared<std::vector<MemoryRegion>>(std::move(mrs)),
+            pd_owner = std::move(pd_owner)]() mutable {
+    mrs->clear();  // before the domain's owner goes
+    pd_owner.reset();
+  });
 }
 
 }  // namespace rdma

@@ -17,9 +17,11 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "rdmarpc/status.h"
 #include "transport/rdma/verbs.h"
@@ -66,6 +68,20 @@ class RegistrationCache
 // Registers landing memory for one grant: remote write and local write.
 [[nodiscard]] StatusOr<MemoryRegion> RegisterLanding(ibv_pd* pd, void* addr,
                                                      size_t size);
+
+// Registering, deregistering or freeing this many bytes or more pins,
+// unpins or unmaps every page (hundreds of milliseconds per GiB): too slow
+// for a thread that polls completions for other connections. Such work runs
+// aside, on the process's registration thread.
+inline constexpr uint64_t kRegisterAsideBytes = uint64_t{1} << 20;
+
+// Runs `task` on the registration thread ("rdmarpc-reg"), in FIFO order.
+void RunAside(std::function<void()> task);
+
+// Deregisters `mrs` on the registration thread. `pd_owner` keeps their
+// protection domain until then (a region must go before its domain).
+void DeregisterAside(std::vector<MemoryRegion> mrs,
+                     std::shared_ptr<const void> pd_owner);
 
 }  // namespace rdmarpc::rdma
 

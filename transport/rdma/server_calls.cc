@@ -1,6 +1,7 @@
 #include "transport/rdma/server_calls.h"
 
 #include <chrono>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -11,9 +12,26 @@ namespace rdmarpc::rdma {
 
 using google::protobuf::Message;
 
+namespace {
+
+// Fault injection only: while rdma.server.hold_registration is armed, a
+// registration aside waits, having armed rdma.server.registration_held once
+// (so a test knows the registration thread is held).
+void HoldRegistrationForTest() {
+  if (!RDMARPC_FAULT("rdma.server.hold_registration")) return;
+  internal::fault::Arm("rdma.server.registration_held", 1);
+  while (RDMARPC_FAULT("rdma.server.hold_registration")) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+}  // namespace
+
 struct ServerRecord {
   enum class Stage {
+    kRegistering,       // large landing memory being registered aside
     kAwaitRequestData,  // landing memory granted, client writing
+    kEndingGrant,       // written; large landing deregistered aside
     kRunning,           // handler queued or running
     kAwaitResponseGrant,
     kWritingResponse,
@@ -23,6 +41,7 @@ struct ServerRecord {
   std::shared_ptr<google::protobuf::Message> request;
   IncomingPayload in;
   LandingReservation landing;
+  bool landing_aside = false;  // registered and deregistered aside
   uint32_t grant_id = 0;
   std::unique_ptr<google::protobuf::Message> response;
   OutgoingPayload out;
@@ -73,7 +92,9 @@ Status ServerEndpoint::OnFrame(const FrameView& frame) {
       ping.clear_running_call_ids();
       for (const auto& [id, r] : calls_) {
         if (ping.running_call_ids_size() >= kMaxRunningInPong) break;
-        if (r->stage == ServerRecord::Stage::kRunning) {
+        if (r->stage == ServerRecord::Stage::kRunning ||
+            r->stage == ServerRecord::Stage::kRegistering ||
+            r->stage == ServerRecord::Stage::kEndingGrant) {
           ping.add_running_call_ids(id);
         }
       }
@@ -219,16 +240,37 @@ Status ServerEndpoint::AdmitRequest(const FrameView& frame) {
     }
     r.landing = *std::move(held);
   }
+  if (r.in.landing.empty()) {
+    DispatchLocked(call_id);
+    return absl::OkStatus();
+  }
+  if (landing_bytes >= kRegisterAsideBytes) {
+    // Pinning its pages would hold the engine, and so every connection it
+    // polls: registered aside, and granted from there.
+    r.landing_aside = true;
+    r.stage = ServerRecord::Stage::kRegistering;
+    RunAside([self = shared_from_this(), call_id, state = r.state,
+              in = std::make_shared<IncomingPayload>(std::move(r.in)),
+              conn = conn_] {
+      HoldRegistrationForTest();
+      Status registered = RegisterLandingMemory(in.get(), conn->pd());
+      self->GrantRegistered(call_id, state, std::move(*in),
+                            std::move(registered));
+    });
+    return absl::OkStatus();
+  }
   Status registered = RegisterLandingMemory(&r.in, conn_->pd());
   if (!registered.ok()) {
     // Nothing ran: the client may carry the call over gRPC instead.
     FailLocked(call_id, registered, /*not_executed=*/true);
     return absl::OkStatus();
   }
-  if (r.in.landing.empty()) {
-    DispatchLocked(call_id);
-    return absl::OkStatus();
-  }
+  GrantLocked(call_id);
+  return absl::OkStatus();
+}
+
+void ServerEndpoint::GrantLocked(uint64_t call_id) {
+  ServerRecord& r = *calls_.at(call_id);
   Grant grant = grants_.Issue(call_id, r.in);
   r.grant_id = grant.grant_id();
   r.stage = ServerRecord::Stage::kAwaitRequestData;
@@ -236,7 +278,46 @@ Status ServerEndpoint::AdmitRequest(const FrameView& frame) {
   // Not run: the client carries the call over gRPC (or, on a closing
   // connection, re-sends it).
   if (!granted.ok()) FailLocked(call_id, granted, /*not_executed=*/true);
-  return absl::OkStatus();
+}
+
+ServerRecord* ServerEndpoint::FindAtStageLocked(
+    uint64_t call_id, const std::shared_ptr<internal::ServerCallState>& state,
+    int stage) {
+  auto it = calls_.find(call_id);
+  if (closed_ || it == calls_.end() || it->second->state != state ||
+      static_cast<int>(it->second->stage) != stage) {
+    return nullptr;
+  }
+  return it->second.get();
+}
+
+void ServerEndpoint::GrantRegistered(
+    uint64_t call_id, const std::shared_ptr<internal::ServerCallState>& state,
+    IncomingPayload in, Status registered) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ServerRecord* r = FindAtStageLocked(
+      call_id, state, static_cast<int>(ServerRecord::Stage::kRegistering));
+  // Cancelled or closed meanwhile: `in` and its registrations go here.
+  if (r == nullptr) return;
+  r->in = std::move(in);
+  if (!registered.ok()) {
+    return FailLocked(call_id, registered, /*not_executed=*/true);
+  }
+  GrantLocked(call_id);
+}
+
+void ServerEndpoint::DispatchAside(
+    uint64_t call_id, const std::shared_ptr<internal::ServerCallState>& state) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (FindAtStageLocked(
+            call_id, state,
+            static_cast<int>(ServerRecord::Stage::kEndingGrant)) == nullptr) {
+      return;
+    }
+    DispatchLocked(call_id);
+  }
+  ExecuteReady();
 }
 
 Status ServerEndpoint::LandWrite(uint32_t immediate) {
@@ -246,6 +327,20 @@ Status ServerEndpoint::LandWrite(uint32_t immediate) {
   r.grant_id = 0;
   if (r.stage != ServerRecord::Stage::kAwaitRequestData) {
     return absl::InvalidArgumentError("write landed for a running call");
+  }
+  if (r.landing_aside) {
+    // The grant ends before the handler reads the bytes, but unpinning
+    // its pages would hold the engine: deregistered aside, dispatched from
+    // there.
+    r.stage = ServerRecord::Stage::kEndingGrant;
+    RunAside([self = shared_from_this(), call_id, state = r.state,
+              mrs = std::make_shared<std::vector<MemoryRegion>>(
+                  std::move(r.in.landing_mrs)),
+              conn = conn_] {
+      mrs->clear();
+      self->DispatchAside(call_id, state);
+    });
+    return absl::OkStatus();
   }
   DispatchLocked(call_id);
   return absl::OkStatus();
@@ -412,7 +507,9 @@ void ServerEndpoint::OnCancel(uint64_t call_id) {
     // A re-send racing the cancel still gets the outcome.
     dispatcher_->Undelivered(r.state, absl::OkStatus(), std::move(r.response));
   }
-  if (r.stage == ServerRecord::Stage::kAwaitRequestData ||
+  if (r.stage == ServerRecord::Stage::kRegistering ||
+      r.stage == ServerRecord::Stage::kAwaitRequestData ||
+      r.stage == ServerRecord::Stage::kEndingGrant ||
       r.stage == ServerRecord::Stage::kAwaitResponseGrant) {
     ForgetLocked(call_id);  // ends the grant, drops the response
   }

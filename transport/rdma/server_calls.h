@@ -30,6 +30,7 @@
 #include "transport/rdma/connection.h"
 #include "transport/rdma/grant_table.h"
 #include "transport/rdma/landing_pool.h"
+#include "transport/rdma/payload.h"
 #include "transport/rdma/registration.h"
 #include "transport/rdma/wire.h"
 
@@ -84,6 +85,21 @@ class ServerEndpoint final
   Status AdmitRequest(const FrameView& frame);
   Status LandWrite(uint32_t immediate);
   void ExecuteReady();
+  // Grants r.in to the client. Requires mu_.
+  void GrantLocked(uint64_t call_id);
+  // The call's record if it is still `state`'s and at `stage` (a
+  // ServerRecord::Stage) on an open connection, else null. Requires mu_.
+  ServerRecord* FindAtStageLocked(
+      uint64_t call_id, const std::shared_ptr<internal::ServerCallState>& state,
+      int stage);
+  // From the registration thread (kRegisterAsideBytes): the landing memory
+  // of a large request is registered (or failed to be) ...
+  void GrantRegistered(uint64_t call_id,
+                       const std::shared_ptr<internal::ServerCallState>& state,
+                       IncomingPayload in, Status registered);
+  // ... and, once written, deregistered.
+  void DispatchAside(uint64_t call_id,
+                     const std::shared_ptr<internal::ServerCallState>& state);
   Status OnGrant(const FrameView& frame);
   void OnCancel(uint64_t call_id);
   // Parses the landed request and queues it for ExecuteReady. Requires mu_.

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "e2e_fixture.h"
+#include "runtime/fault_injection.h"
 #include "transport/grpc/grpc_client.h"
 #include "transport/rdma/connection_setup.h"
 #include "transport/rdma/engine.h"
@@ -63,6 +64,18 @@ std::unique_ptr<rdmarpc::Server> StartServer(Service* service, int* port,
                     .RegisterService(service)
                     .SetNumWorkers(workers)
                     .SetRdmaReceives(receives)
+                    .BuildAndStart();
+  EXPECT_TRUE(server.ok()) << server.status();
+  return server.ok() ? std::move(*server) : nullptr;
+}
+
+// Handlers run on the engine thread (SetRunHandlersInline).
+std::unique_ptr<rdmarpc::Server> StartInlineServer(Service* service,
+                                                   int* port) {
+  auto server = rdmarpc::ServerBuilder()
+                    .AddListeningPort("127.0.0.1:0", port)
+                    .RegisterService(service)
+                    .SetRunHandlersInline(true)
                     .BuildAndStart();
   EXPECT_TRUE(server.ok()) << server.status();
   return server.ok() ? std::move(*server) : nullptr;
@@ -159,12 +172,8 @@ TEST(RdmaTransport, TwoHundredFiftySixCallsInFlightOnOneConnection) {
 TEST(RdmaTransport, InlineHandlersServeSentAndWrittenTensors) {
   Service service;
   int port = 0;
-  auto server = rdmarpc::ServerBuilder()
-                    .AddListeningPort("127.0.0.1:0", &port)
-                    .RegisterService(&service)
-                    .SetRunHandlersInline(true)
-                    .BuildAndStart();
-  ASSERT_TRUE(server.ok()) << server.status();
+  auto server = StartInlineServer(&service, &port);
+  ASSERT_NE(server, nullptr);
   auto channel = RdmaChannel(port);
   auto stub = E2E::NewStub(channel);
   // In the SEND, then written into a grant (dispatched when the write lands).
@@ -185,24 +194,21 @@ TEST(RdmaTransport, InlineHandlersServeSentAndWrittenTensors) {
 }
 
 // A handler that blocks on the engine is counted, so it can be found.
+// A handler that blocks on the engine is counted, so it can be found.
 TEST(RdmaTransport, InlineHandlerThatBlocksIsCountedAsAStall) {
   Service service;
   int port = 0;
-  auto server = rdmarpc::ServerBuilder()
-                    .AddListeningPort("127.0.0.1:0", &port)
-                    .RegisterService(&service)
-                    .SetRunHandlersInline(true)
-                    .BuildAndStart();
-  ASSERT_TRUE(server.ok()) << server.status();
+  auto server = StartInlineServer(&service, &port);
+  ASSERT_NE(server, nullptr);
   auto stub = E2E::NewStub(RdmaChannel(port));
-  EXPECT_EQ((*server)->handler_stats().inline_stalls, 0u);
+  EXPECT_EQ(server->handler_stats().inline_stalls, 0u);
   ClientContext ctx;
   EchoRequest req;
   EchoResponse resp;
   req.set_sleep_ms(20);
   ASSERT_TRUE(stub->Slow(&ctx, req, &resp).ok());
   EXPECT_EQ(ctx.stats().transport, rdmarpc::TransportKind::kRdma);
-  EXPECT_EQ((*server)->handler_stats().inline_stalls, 1u);
+  EXPECT_EQ(server->handler_stats().inline_stalls, 1u);
 }
 
 TEST(RdmaTransport, ThirtyTwoConnectionsToOneServer) {
@@ -259,6 +265,57 @@ TEST(RdmaTransport, CreditsRunOutUnderASlowHandlerAndCallsWait) {
   rdmarpc::ChannelTransportStats stats = channel->transport_stats();
   EXPECT_GT(stats.rdma_waits_for_credit, 0u);
   EXPECT_EQ(stats.rdma.rfind("ready: ", 0), 0u) << stats.rdma;
+}
+
+// Registering a large request's landing memory pins every page: it runs
+// aside, so calls on other connections go on meanwhile. The registration is
+// held (fault point) until they are done.
+TEST(RdmaTransport, CallsOnOtherConnectionsGoOnWhileALargeRequestRegisters) {
+  Service service;
+  int port = 0;
+  auto server = StartServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  auto large_stub = E2E::NewStub(RdmaChannel(port));
+  auto small_stub = E2E::NewStub(RdmaChannel(port));
+  ASSERT_TRUE(EchoOnce(small_stub.get(), 100, 1));
+
+  rdmarpc::internal::fault::Arm("rdma.server.hold_registration");
+  const size_t size = size_t{4} << 20;
+  std::vector<uint8_t> bytes = Pattern(size, 7);
+  ClientContext ctx;
+  EchoRequest req;
+  ASSERT_TRUE(ctx.tensors()
+                  .Set(req.mutable_tensor(), rdmarpc::DTYPE_U8,
+                       {static_cast<int64_t>(size)},
+                       TensorBuffer::Borrow(bytes.data(), size))
+                  .ok());
+  EchoResponse resp;
+  std::promise<rdmarpc::Status> large;
+  large_stub->Echo(&ctx, req, &resp,
+                   [&](rdmarpc::Status s) { large.set_value(std::move(s)); });
+  bool held = false;
+  for (int i = 0; i < 6000 && !held; ++i) {
+    held = rdmarpc::internal::fault::Take("rdma.server.registration_held")
+               .has_value();
+    if (!held) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(held);
+  for (int i = 0; i < 20; ++i) {
+    EXPECT_TRUE(EchoOnce(small_stub.get(), i % 2 ? 70000 : 200, 10 + i));
+  }
+  std::future<rdmarpc::Status> done = large.get_future();
+  EXPECT_EQ(done.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
+      << "the large call finished while its registration was held";
+  rdmarpc::internal::fault::Disarm("rdma.server.hold_registration");
+  ASSERT_EQ(done.wait_for(std::chrono::seconds(120)),
+            std::future_status::ready);
+  rdmarpc::Status s = done.get();
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(ctx.stats().transport, rdmarpc::TransportKind::kRdma);
+  auto out = ctx.tensors().Get(resp.tensor());
+  ASSERT_TRUE(out.ok()) << out.status();
+  ASSERT_EQ(out->size(), size);
+  EXPECT_EQ(std::memcmp(out->data(), bytes.data(), size), 0);
 }
 
 TEST(RdmaTransport, OneGibibyteTensor) {
