@@ -90,6 +90,14 @@ std::shared_ptr<rdmarpc::Channel> RdmaChannel(int port) {
   return rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port), options);
 }
 
+// Binds `size` bytes at `data` (borrowed) to req.tensor as u8.
+rdmarpc::Status BindBytes(ClientContext* ctx, EchoRequest* req,
+                          const uint8_t* data, size_t size) {
+  return ctx->tensors().Set(req->mutable_tensor(), rdmarpc::DTYPE_U8,
+                            {static_cast<int64_t>(size)},
+                            TensorBuffer::Borrow(data, size));
+}
+
 // One echo with a `size`-byte tensor; true when it came back byte-exact
 // over RDMA.
 bool EchoOnce(E2E::Stub* stub, size_t size, uint32_t seed) {
@@ -97,11 +105,7 @@ bool EchoOnce(E2E::Stub* stub, size_t size, uint32_t seed) {
   ClientContext ctx;
   EchoRequest req;
   req.set_note(std::to_string(seed));
-  if (!ctx.tensors()
-           .Set(req.mutable_tensor(), rdmarpc::DTYPE_U8,
-                {static_cast<int64_t>(size)},
-                TensorBuffer::Borrow(bytes.data(), bytes.size()))
-           .ok()) {
+  if (!BindBytes(&ctx, &req, bytes.data(), size).ok()) {
     return false;
   }
   EchoResponse resp;
@@ -137,11 +141,8 @@ TEST(RdmaTransport, TwoHundredFiftySixCallsInFlightOnOneConnection) {
     auto c = std::make_unique<Call>();
     // Alternate inline-sized and written tensors.
     c->bytes = Pattern(i % 2 == 0 ? 100 + i : (64 << 10) + i, i);
-    ASSERT_TRUE(c->ctx.tensors()
-                    .Set(c->req.mutable_tensor(), rdmarpc::DTYPE_U8,
-                         {static_cast<int64_t>(c->bytes.size())},
-                         TensorBuffer::Borrow(c->bytes.data(), c->bytes.size()))
-                    .ok());
+    ASSERT_TRUE(
+        BindBytes(&c->ctx, &c->req, c->bytes.data(), c->bytes.size()).ok());
     calls.push_back(std::move(c));
   }
   for (auto& c : calls) {
@@ -193,7 +194,6 @@ TEST(RdmaTransport, InlineHandlersServeSentAndWrittenTensors) {
   EXPECT_EQ(service.echo_calls.load(), 66);
 }
 
-// A handler that blocks on the engine is counted, so it can be found.
 // A handler that blocks on the engine is counted, so it can be found.
 TEST(RdmaTransport, InlineHandlerThatBlocksIsCountedAsAStall) {
   Service service;
@@ -284,11 +284,7 @@ TEST(RdmaTransport, CallsOnOtherConnectionsGoOnWhileALargeRequestRegisters) {
   std::vector<uint8_t> bytes = Pattern(size, 7);
   ClientContext ctx;
   EchoRequest req;
-  ASSERT_TRUE(ctx.tensors()
-                  .Set(req.mutable_tensor(), rdmarpc::DTYPE_U8,
-                       {static_cast<int64_t>(size)},
-                       TensorBuffer::Borrow(bytes.data(), size))
-                  .ok());
+  ASSERT_TRUE(BindBytes(&ctx, &req, bytes.data(), size).ok());
   EchoResponse resp;
   std::promise<rdmarpc::Status> large;
   large_stub->Echo(&ctx, req, &resp,
@@ -334,11 +330,7 @@ TEST(RdmaTransport, OneGibibyteTensor) {
   ClientContext ctx;
   EchoRequest req;
   req.set_fail_code(1);  // checksum
-  ASSERT_TRUE(ctx.tensors()
-                  .Set(req.mutable_tensor(), rdmarpc::DTYPE_U8,
-                       {static_cast<int64_t>(size)},
-                       TensorBuffer::Borrow(bytes.get(), size))
-                  .ok());
+  ASSERT_TRUE(BindBytes(&ctx, &req, bytes.get(), size).ok());
   EchoResponse resp;
   rdmarpc::Status s = stub->Echo(&ctx, req, &resp);
   ASSERT_TRUE(s.ok()) << s;
@@ -378,11 +370,7 @@ TEST(RdmaTransport, RegisteredMemoryIsSentAndReceivedWithoutCpuCopies) {
     ctx.SetResponseTensorBuffer(
         0, TensorBuffer::Borrow(landing.data(), landing.size()));
     EchoRequest req;
-    ASSERT_TRUE(ctx.tensors()
-                    .Set(req.mutable_tensor(), rdmarpc::DTYPE_U8,
-                         {static_cast<int64_t>(bytes.size())},
-                         TensorBuffer::Borrow(bytes.data(), bytes.size()))
-                    .ok());
+    ASSERT_TRUE(BindBytes(&ctx, &req, bytes.data(), bytes.size()).ok());
     EchoResponse resp;
     ASSERT_TRUE(stub->Echo(&ctx, req, &resp).ok());
     auto out = ctx.tensors().Get(resp.tensor());
