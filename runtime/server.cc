@@ -53,6 +53,14 @@ namespace {
 // An inline handler that holds its thread this long counts as a stall.
 constexpr std::chrono::milliseconds kInlineStall(1);
 
+bool AnyBlocking(
+    const absl::flat_hash_map<std::string, ServerMethod>& methods) {
+  for (const auto& [path, m] : methods) {
+    if (m.blocking) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 class ServerDispatcher final : public Dispatcher {
@@ -64,7 +72,10 @@ class ServerDispatcher final : public Dispatcher {
         max_request_tensor_bytes_(max_request_tensor_bytes),
         run_inline_(run_inline),
         log_(CallLog::Options{}, RandomNonZero()),
-        pool_(run_inline ? 1 : workers, "rdmarpc-worker") {
+        // Inline, the pool answers repeats from the log and runs the
+        // methods marked blocking.
+        pool_(run_inline && !AnyBlocking(methods_) ? 1 : workers,
+              "rdmarpc-worker") {
     sweeper_ = std::thread([this] { SweepLog(); });
     pthread_setname_np(sweeper_.native_handle(), "rdmarpc-log");
   }
@@ -121,6 +132,7 @@ class ServerDispatcher final : public Dispatcher {
         done(std::move(s), std::move(r));
       };
     }
+    const bool method_blocking = state->method().blocking;
     auto task = [this, state = std::move(state), request = std::move(request),
                  done = std::move(done)] {
       // A call whose caller gave up does not run: its deadline may pass,
@@ -146,7 +158,8 @@ class ServerDispatcher final : public Dispatcher {
       ServerContext ctx(state.get());
       Status status;
       const internal::SpinClock& clock = internal::SpinClock::Get();
-      const uint64_t began = run_inline_ ? clock.Now() : 0;
+      const bool on_receiver = run_inline_ && !state->method().blocking;
+      const uint64_t began = on_receiver ? clock.Now() : 0;
       try {
         status = m.handler(&ctx, *request, response.get());
       } catch (const std::exception& e) {
@@ -156,12 +169,12 @@ class ServerDispatcher final : public Dispatcher {
         status = absl::InternalError(
             absl::StrCat("handler of ", m.path, " threw a non-exception"));
       }
-      if (run_inline_ && clock.Now() - began >= clock.Ticks(kInlineStall)) {
+      if (on_receiver && clock.Now() - began >= clock.Ticks(kInlineStall)) {
         inline_stalls_.fetch_add(1, std::memory_order_relaxed);
       }
       done(std::move(status), std::move(response));
     };
-    if (run_inline_) {
+    if (run_inline_ && !method_blocking) {
       task();
     } else {
       pool_.Post(std::move(task));
@@ -296,6 +309,11 @@ ServerBuilder& ServerBuilder::SetRunHandlersInline(bool run_inline) {
   return *this;
 }
 
+ServerBuilder& ServerBuilder::SetMethodBlocking(std::string method_path) {
+  blocking_methods_.insert(std::move(method_path));
+  return *this;
+}
+
 StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
   if (ports_.empty()) {
     return absl::InvalidArgumentError(
@@ -326,6 +344,15 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
       return absl::InvalidArgumentError(absl::StrCat(
           "ServerBuilder: placement set for unknown method ", path));
     }
+  }
+  for (const std::string& path : blocking_methods_) {
+    auto it = methods.find(path);
+    if (it == methods.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ServerBuilder: SetMethodBlocking names unknown method ",
+                       path, " (a path is \"/package.Service/Method\")"));
+    }
+    it->second.blocking = true;
   }
   for (const auto& [key, device] : field_placement_) {
     const auto& [path, field_name] = key;

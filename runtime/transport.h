@@ -121,6 +121,9 @@ class SetupChannel {
 struct ServerMethod {
   MethodDescriptor descriptor;
   TensorPlacement placement;
+  // Its handlers may block: they run on the worker pool even when the
+  // server runs handlers inline (ServerBuilder::SetMethodBlocking).
+  bool blocking = false;
 };
 
 // Server-side state of one call, shared by the transport (which fills it

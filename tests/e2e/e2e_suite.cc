@@ -210,6 +210,49 @@ TEST_P(E2ETest, BlockingCallCancelledFromAnotherThreadGivesCancelled) {
   EXPECT_EQ(service_.slow_started.load(), 1);
 }
 
+// With handlers inline, a method marked blocking runs on the worker pool:
+// a slow one is no stall there, while unmarked it is counted as one.
+TEST_P(E2ETest, InlineServerRunsMethodsMarkedBlockingOnItsWorkers) {
+  for (bool marked : {true, false}) {
+    E2EService service;
+    int port = 0;
+    rdmarpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", &port)
+        .RegisterService(&service)
+        .SetRunHandlersInline(true);
+    if (marked) builder.SetMethodBlocking("/rdmarpc_test.E2E/Slow");
+    auto server = builder.BuildAndStart();
+    ASSERT_TRUE(server.ok()) << server.status();
+    rdmarpc::ChannelOptions options;
+    options.policy = GetParam().policy;
+    auto stub = E2E::NewStub(
+        rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port), options));
+    ClientContext slow_ctx, echo_ctx;
+    EchoRequest req;
+    req.set_sleep_ms(20);
+    EchoResponse resp;
+    ASSERT_TRUE(stub->Slow(&slow_ctx, req, &resp).ok());
+    ASSERT_TRUE(stub->Echo(&echo_ctx, req, &resp).ok());
+    EXPECT_EQ(slow_ctx.stats().transport, GetParam().expected);
+    rdmarpc::HandlerStats stats = (*server)->handler_stats();
+    EXPECT_EQ(stats.started, 2u);
+    EXPECT_EQ(stats.inline_stalls, marked ? 0u : 1u) << "marked: " << marked;
+  }
+}
+
+TEST_P(E2ETest, MarkingAnUnknownMethodBlockingIsRefused) {
+  int port = 0;
+  auto server = rdmarpc::ServerBuilder()
+                    .AddListeningPort("127.0.0.1:0", &port)
+                    .RegisterService(&service_)
+                    .SetMethodBlocking("/rdmarpc_test.E2E/NoSuch")
+                    .BuildAndStart();
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(server.status().message().find("NoSuch"), std::string::npos)
+      << server.status();
+}
+
 TEST_P(E2ETest, CancelBeforeStartFailsWithoutSending) {
   ClientContext ctx;
   ctx.TryCancel();

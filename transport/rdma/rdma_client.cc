@@ -129,10 +129,14 @@ void RdmaClientTransport::Monitor() {
     // calls whose handlers run, which counts as moving. A call that stays
     // still for the whole timeout closes the connection, which re-sends it
     // over gRPC with the same call id.
+    size_t outstanding = 0;
+    bool counted = false;
     if (peer_timeout_.count() > 0) {
       const auto now = internal::CoarseSteadyNow();
       ClientEndpoint::ProgressWatch watch = endpoint_->WatchProgress(
           now, peer_timeout_, Engine::Get().NotStillBefore(now));
+      outstanding = watch.outstanding;
+      counted = true;
       const SteadyClock::time_point heard = conn_->last_heard();
       if (watch.stalled_call != 0 && !conn_->closed()) {
         auto still_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -176,7 +180,11 @@ void RdmaClientTransport::Monitor() {
     // monitor_resting_ set and wakes us. (A channel in use never rests,
     // so its callers never pay for the wake-up.)
     const auto checked_at = internal::CoarseSteadyNow();
-    if (endpoint_->WatchProgress(checked_at, peer_timeout_).outstanding > 0) {
+    if (!counted) {
+      outstanding =
+          endpoint_->WatchProgress(checked_at, peer_timeout_).outstanding;
+    }
+    if (outstanding > 0) {
       active_at = checked_at;
     } else if (checked_at - active_at >= std::chrono::seconds(1)) {
       monitor_resting_.store(true);

@@ -32,6 +32,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -231,6 +232,14 @@ class ServerBuilder {
   // in microseconds; HandlerStats::inline_stalls counts those that took
   // 1 ms or more.
   ServerBuilder& SetRunHandlersInline(bool run_inline);
+  // Marks one method ("/package.Service/Method") as one whose handler may
+  // block: with SetRunHandlersInline its handlers still run on the worker
+  // pool, so the others can run inline. Unknown methods fail BuildAndStart
+  // with INVALID_ARGUMENT.
+  //
+  //   builder.SetRunHandlersInline(true)
+  //       .SetMethodBlocking("/store.Store/LoadFromDisk");
+  ServerBuilder& SetMethodBlocking(std::string method_path);
 
   // Starts serving. INVALID_ARGUMENT for a bad configuration, UNAVAILABLE if
   // the port cannot be bound.
@@ -249,6 +258,7 @@ class ServerBuilder {
   uint32_t rdma_receives_ = 64;
   uint64_t rdma_landing_pool_bytes_ = uint64_t{8} << 30;
   bool handlers_inline_ = false;
+  std::set<std::string> blocking_methods_;
 };
 
 class Server {
