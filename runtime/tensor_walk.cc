@@ -1,6 +1,11 @@
 #include "runtime/tensor_walk.h"
 
+#include <algorithm>
+#include <atomic>
+#include <memory>
+
 #include "absl/container/flat_hash_set.h"
+#include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/descriptor.h"
 
@@ -34,6 +39,78 @@ bool MayHoldTensor(
   return false;
 }
 
+// What the walk needs of a message type, computed once per type: its
+// message fields that can hold a tensor below them, in field-number order.
+// Fields that cannot are skipped without a look, and a type without such
+// fields costs one lookup per call instead of a reflection scan.
+struct Layout {
+  // Types with extension ranges are walked over whatever is set
+  // (ListFields), since an extension may hold a tensor.
+  bool list_set_fields = false;
+  std::vector<const FieldDescriptor*> fields;  // maps among them: an error
+};
+
+Layout ComputeLayout(const google::protobuf::Descriptor* d) {
+  Layout layout;
+  layout.list_set_fields = d->extension_range_count() > 0;
+  for (int i = 0; i < d->field_count(); ++i) {
+    const FieldDescriptor* f = d->field(i);
+    if (f->cpp_type() != FieldDescriptor::CPPTYPE_MESSAGE) continue;
+    absl::flat_hash_set<const google::protobuf::Descriptor*> seen;
+    if (MayHoldTensor(f->message_type(), &seen)) layout.fields.push_back(f);
+  }
+  std::sort(layout.fields.begin(), layout.fields.end(),
+            [](const FieldDescriptor* a, const FieldDescriptor* b) {
+              return a->number() < b->number();
+            });
+  return layout;
+}
+
+// Layouts of generated message types, without a lock: an open-addressed
+// table of atomic slots, filled once per type and never emptied (generated
+// descriptors live as long as the process). Two threads may both compute a
+// type's layout; the loser's copy is dropped. Null for other types (a
+// dynamic pool's descriptor may be freed and its address reused) and once
+// the table is full: the caller computes the layout for this walk.
+const Layout* CachedLayoutOf(const google::protobuf::Descriptor* d) {
+  if (d->file()->pool() != google::protobuf::DescriptorPool::generated_pool()) {
+    return nullptr;
+  }
+  constexpr size_t kSlots = 4096;
+  struct Slot {
+    std::atomic<const google::protobuf::Descriptor*> key{nullptr};
+    std::atomic<const Layout*> layout{nullptr};
+  };
+  static Slot* slots = new Slot[kSlots];
+  size_t i = absl::HashOf(d) % kSlots;
+  for (size_t probes = 0; probes < kSlots; ++probes, i = (i + 1) % kSlots) {
+    Slot& slot = slots[i];
+    const google::protobuf::Descriptor* key =
+        slot.key.load(std::memory_order_acquire);
+    if (key == nullptr &&
+        slot.key.compare_exchange_strong(key, d, std::memory_order_acq_rel)) {
+      key = d;
+    }
+    if (key != d) continue;  // another type's slot
+    const Layout* layout = slot.layout.load(std::memory_order_acquire);
+    if (layout != nullptr) return layout;
+    auto mine = std::make_unique<Layout>(ComputeLayout(d));
+    if (slot.layout.compare_exchange_strong(layout, mine.get(),
+                                            std::memory_order_acq_rel)) {
+      return mine.release();
+    }
+    return layout;
+  }
+  return nullptr;
+}
+
+Status MapHoldsTensors(const FieldDescriptor* f) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      "field ", f->full_name(),
+      " is a map holding rdmarpc.Tensor values; tensors in maps are "
+      "not supported (use a repeated message with a key field)"));
+}
+
 // `top`, when given, receives the top-level field number of each tensor.
 Status Walk(const Message& msg, std::vector<const Tensor*>* out, int depth,
             std::vector<int>* top, int top_field) {
@@ -41,18 +118,25 @@ Status Walk(const Message& msg, std::vector<const Tensor*>* out, int depth,
     return absl::InvalidArgumentError(
         absl::StrCat("message nesting deeper than ", kMaxDepth));
   }
+  Layout computed;
+  const Layout* layout = CachedLayoutOf(msg.GetDescriptor());
+  if (layout == nullptr) {
+    computed = ComputeLayout(msg.GetDescriptor());
+    layout = &computed;
+  }
   const Reflection* r = msg.GetReflection();
-  std::vector<const FieldDescriptor*> fields;
-  r->ListFields(msg, &fields);  // set fields, in field-number order
-  for (const FieldDescriptor* f : fields) {
+  std::vector<const FieldDescriptor*> set;
+  const std::vector<const FieldDescriptor*>* fields = &layout->fields;
+  if (layout->list_set_fields) {
+    r->ListFields(msg, &set);  // set fields, in field-number order
+    fields = &set;
+  }
+  for (const FieldDescriptor* f : *fields) {
     if (f->cpp_type() != FieldDescriptor::CPPTYPE_MESSAGE) continue;
     if (f->is_map()) {
       absl::flat_hash_set<const google::protobuf::Descriptor*> seen;
-      if (MayHoldTensor(f->message_type(), &seen)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "field ", f->full_name(),
-            " is a map holding rdmarpc.Tensor values; tensors in maps are "
-            "not supported (use a repeated message with a key field)"));
+      if (r->FieldSize(msg, f) > 0 && MayHoldTensor(f->message_type(), &seen)) {
+        return MapHoldsTensors(f);
       }
       continue;
     }
@@ -68,7 +152,7 @@ Status Walk(const Message& msg, std::vector<const Tensor*>* out, int depth,
       for (int i = 0, n = r->FieldSize(msg, f); i < n; ++i) {
         RDMARPC_RETURN_IF_ERROR(visit(r->GetRepeatedMessage(msg, f, i)));
       }
-    } else {
+    } else if (r->HasField(msg, f)) {
       RDMARPC_RETURN_IF_ERROR(visit(r->GetMessage(msg, f)));
     }
   }
