@@ -567,5 +567,9 @@ int main(int argc, char** argv) {
   } else {
     Fail("unknown experiment");
   }
-  return 0;
+  // No teardown: gRPC 1.51 can abort ("ref_counted.h: prior > 0") when a
+  // stock callback call's last reference to its channel goes on gRPC's
+  // thread after main dropped the stub; the rows are out already.
+  std::fflush(stdout);
+  std::_Exit(0);
 }

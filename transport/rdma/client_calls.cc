@@ -18,9 +18,11 @@ using Clock = std::chrono::system_clock;
 // A call between Start and its completion.
 struct ClientRecord {
   enum class Stage {
-    kAwaitGrant,         // request written once the server grants memory
-    kAwaitResponse,      // request delivered (or being written)
-    kAwaitResponseData,  // response memory granted, server writing
+    kAwaitGrant,           // request written once the server grants memory
+    kAwaitResponse,        // request delivered (or being written)
+    kRegisteringResponse,  // large response landing registered aside
+    kAwaitResponseData,    // response memory granted, server writing
+    kEndingGrant,          // written; large landing deregistered aside
   };
   internal::ClientCall call;
   OutgoingPayload out;
@@ -31,6 +33,7 @@ struct ClientRecord {
   // memory; delivered once it no longer does.
   std::optional<Status> deferred;
   IncomingPayload in;
+  bool landing_aside = false;  // registered and deregistered aside
   uint32_t grant_id = 0;
   uint64_t received_bytes = 0;
   uint64_t response_copied = 0;
@@ -281,8 +284,10 @@ void ClientEndpoint::Cancel(uint64_t call_id, Status why) {
       return;
     }
     ClientRecord& r = *it->second;
-    if (r.stage == ClientRecord::Stage::kAwaitResponseData) {
-      // The server is writing into this call's memory: finish when done.
+    if (r.stage == ClientRecord::Stage::kAwaitResponseData ||
+        r.stage == ClientRecord::Stage::kEndingGrant) {
+      // The server may write into this call's memory until its grant
+      // ends: finish when it has.
       if (!r.deferred) r.deferred = std::move(why);
       return;
     }
@@ -464,7 +469,9 @@ Status ClientEndpoint::OnResponse(const FrameView& frame,
     return absl::OkStatus();
   }
   ClientRecord& r = *it->second;
-  if (r.stage == ClientRecord::Stage::kAwaitResponseData) {
+  if (r.stage == ClientRecord::Stage::kRegisteringResponse ||
+      r.stage == ClientRecord::Stage::kAwaitResponseData ||
+      r.stage == ClientRecord::Stage::kEndingGrant) {
     return absl::InvalidArgumentError(
         absl::StrCat("second response for call ", head.call_id()));
   }
@@ -484,25 +491,80 @@ Status ClientEndpoint::OnResponse(const FrameView& frame,
         "response for call ", head.call_id(), " before its request arrived"));
   }
   ClientContext* ctx = r.call.ctx;
+  const uint64_t call_id = head.call_id();
   auto in = ReceivePayload(
       head.parts(), frame.inline_bytes, r.call.max_response_tensor_bytes,
       ctx->response_tensor_buffers(), ctx->response_placement(), nullptr,
       {conn_->pd(), gpu_mode_});
-  if (in.ok()) {
-    Status registered = RegisterLandingMemory(&*in, conn_->pd());
-    if (!registered.ok()) in = registered;
-  }
+  const bool server_waits =
+      std::any_of(head.parts().begin(), head.parts().end(),
+                  [](const Part& p) { return p.out_of_band(); });
   if (!in.ok()) {
-    for (const Part& p : head.parts()) {
-      if (p.out_of_band()) {
-        SendCancelLocked(head.call_id());
-        break;
-      }
-    }
-    FinishLocked(head.call_id(), in.status(), outcomes);
+    FailResponseLocked(call_id, in.status(), server_waits, outcomes);
+    return absl::OkStatus();
+  }
+  uint64_t landing_bytes = 0;
+  for (const TensorBuffer& b : in->landing) landing_bytes += b.size();
+  if (landing_bytes >= kRegisterAsideBytes) {
+    // Pinning its pages would hold the engine, and so every connection it
+    // polls: registered aside, and granted from there.
+    r.landing_aside = true;
+    r.stage = ClientRecord::Stage::kRegisteringResponse;
+    RunAside([self = shared_from_this(), call_id,
+              in = std::make_shared<IncomingPayload>(*std::move(in)),
+              conn = conn_] {
+      Status registered = RegisterLandingMemory(in.get(), conn->pd());
+      self->GrantRegistered(call_id, std::move(*in), std::move(registered));
+    });
+    return absl::OkStatus();
+  }
+  Status registered = RegisterLandingMemory(&*in, conn_->pd());
+  if (!registered.ok()) {
+    FailResponseLocked(call_id, registered, server_waits, outcomes);
     return absl::OkStatus();
   }
   r.in = *std::move(in);
+  GrantResponseLocked(call_id, outcomes);
+  return absl::OkStatus();
+}
+
+void ClientEndpoint::FailResponseLocked(uint64_t call_id, Status why,
+                                        bool server_waits,
+                                        std::vector<Outcome>* outcomes) {
+  // A server waiting for a grant for the written parts must hear that the
+  // call is over.
+  if (server_waits) SendCancelLocked(call_id);
+  FinishLocked(call_id, std::move(why), outcomes);
+}
+
+void ClientEndpoint::GrantRegistered(uint64_t call_id, IncomingPayload in,
+                                     Status registered) {
+  std::vector<Outcome> outcomes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = calls_.find(call_id);
+    // Cancelled, expired or closed meanwhile: `in` and its registrations
+    // go here.
+    if (!closed_.ok() || it == calls_.end() ||
+        it->second->stage != ClientRecord::Stage::kRegisteringResponse) {
+      return;
+    }
+    it->second->stage = ClientRecord::Stage::kAwaitResponse;
+    if (!registered.ok()) {
+      FailResponseLocked(call_id, std::move(registered),
+                         /*server_waits=*/true, &outcomes);
+    } else {
+      it->second->in = std::move(in);
+      GrantResponseLocked(call_id, &outcomes);
+    }
+  }
+  Complete(std::move(outcomes));
+}
+
+void ClientEndpoint::GrantResponseLocked(uint64_t call_id,
+                                         std::vector<Outcome>* outcomes) {
+  ClientRecord& r = *calls_.at(call_id);
+  ClientContext* ctx = r.call.ctx;
   if (!r.in.gpu_mode.empty()) {
     internal::ClientContextAccess::mutable_stats(ctx)->gpu_rdma_mode =
         r.in.gpu_mode;
@@ -510,10 +572,10 @@ Status ClientEndpoint::OnResponse(const FrameView& frame,
         r.in.gpu_reason;
   }
   if (r.in.landing.empty()) {
-    FinishLocked(head.call_id(), AcceptResponse(r), outcomes);
-    return absl::OkStatus();
+    FinishLocked(call_id, AcceptResponse(r), outcomes);
+    return;
   }
-  Grant grant = grants_.Issue(head.call_id(), r.in);
+  Grant grant = grants_.Issue(call_id, r.in);
   r.grant_id = grant.grant_id();
   r.stage = ClientRecord::Stage::kAwaitResponseData;
   // Fault injection: the connection starts closing just before the grant
@@ -525,16 +587,15 @@ Status ClientEndpoint::OnResponse(const FrameView& frame,
   Status sent = conn_->SendFrame(FrameType::kGrant, &grant);
   if (!sent.ok() && conn_->closed()) {
     // The handler ran and the server keeps its response for a re-send:
-    // OnClosed, which follows on this thread, re-sends the call.
-    return absl::OkStatus();
+    // OnClosed, which the engine runs next, re-sends the call.
+    return;
   }
   if (!sent.ok()) {
     // The server would wait for this grant: tell it the call is over.
-    SendCancelLocked(head.call_id());
+    SendCancelLocked(call_id);
     r.stage = ClientRecord::Stage::kAwaitResponse;
-    FinishLocked(head.call_id(), sent, outcomes);
+    FinishLocked(call_id, sent, outcomes);
   }
-  return absl::OkStatus();
 }
 
 Status ClientEndpoint::OnWriteLanded(uint32_t immediate) {
@@ -544,13 +605,48 @@ Status ClientEndpoint::OnWriteLanded(uint32_t immediate) {
     RDMARPC_ASSIGN_OR_RETURN(uint64_t call_id, grants_.Redeem(immediate));
     ClientRecord& r = *calls_.at(call_id);
     r.grant_id = 0;
-    Status accepted = AcceptResponse(r);
-    Status status = r.deferred ? *r.deferred : accepted;
-    r.deferred.reset();
-    FinishLocked(call_id, status, &outcomes);
+    if (r.landing_aside) {
+      // The grant ends before the caller sees the bytes, but unpinning
+      // its pages would hold the engine: deregistered aside, finished from
+      // there.
+      r.stage = ClientRecord::Stage::kEndingGrant;
+      RunAside([self = shared_from_this(), call_id,
+                mrs = std::make_shared<std::vector<MemoryRegion>>(
+                    std::move(r.in.landing_mrs)),
+                conn = conn_] {
+        mrs->clear();
+        self->FinishLanded(call_id);
+      });
+      return absl::OkStatus();
+    }
+    FinishLandedLocked(call_id, &outcomes);
   }
   Complete(std::move(outcomes));
   return absl::OkStatus();
+}
+
+void ClientEndpoint::FinishLandedLocked(uint64_t call_id,
+                                        std::vector<Outcome>* outcomes) {
+  ClientRecord& r = *calls_.at(call_id);
+  Status accepted = AcceptResponse(r);
+  Status status = r.deferred ? *r.deferred : accepted;
+  r.deferred.reset();
+  FinishLocked(call_id, status, outcomes);
+}
+
+void ClientEndpoint::FinishLanded(uint64_t call_id) {
+  std::vector<Outcome> outcomes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = calls_.find(call_id);
+    // Closed meanwhile: OnClosed finished (or re-sent) the call.
+    if (!closed_.ok() || it == calls_.end() ||
+        it->second->stage != ClientRecord::Stage::kEndingGrant) {
+      return;
+    }
+    FinishLandedLocked(call_id, &outcomes);
+  }
+  Complete(std::move(outcomes));
 }
 
 void ClientEndpoint::OnClosed(const Status& why) {

@@ -27,6 +27,7 @@
 #include "runtime/transport.h"
 #include "transport/rdma/connection.h"
 #include "transport/rdma/grant_table.h"
+#include "transport/rdma/payload.h"
 #include "transport/rdma/registration.h"
 #include "transport/rdma/wire.h"
 
@@ -105,6 +106,20 @@ class ClientEndpoint final
                     Outcome::Next next = Outcome::Next::kComplete);
   void Complete(std::vector<Outcome> outcomes);
   void SendCancelLocked(uint64_t call_id);
+  // Fails a call whose response could not be received (its landing memory
+  // not allocated or registered). Requires mu_.
+  void FailResponseLocked(uint64_t call_id, Status why, bool server_waits,
+                          std::vector<Outcome>* outcomes);
+  // Grants the response's landing memory (r.in) to the server, or finishes
+  // a call whose response came whole. Requires mu_.
+  void GrantResponseLocked(uint64_t call_id, std::vector<Outcome>* outcomes);
+  // The response landed: binds it and finishes the call. Requires mu_.
+  void FinishLandedLocked(uint64_t call_id, std::vector<Outcome>* outcomes);
+  // From the registration thread (kRegisterAsideBytes): a large response's
+  // landing memory is registered (or failed to be) ...
+  void GrantRegistered(uint64_t call_id, IncomingPayload in, Status registered);
+  // ... and, once written, deregistered.
+  void FinishLanded(uint64_t call_id);
   // Once every response part is in: binds the response and its tensors,
   // ordered before the caller's CUDA stream when it named one.
   static Status AcceptResponse(ClientRecord& r);
