@@ -57,7 +57,8 @@ std::string ChannelTransportStats::ToString() const {
                   "rdma frames sent/received: ", rdma_frames_sent, "/",
                   rdma_frames_received, ", writes: ", rdma_writes_posted,
                   ", credit frames: ", rdma_credit_frames_sent,
-                  ", waits for credit: ", rdma_waits_for_credit, "\n");
+                  ", waits for credit: ", rdma_waits_for_credit,
+                  ", watcher wake-ups: ", rdma_watch_wakeups, "\n");
   return out;
 }
 

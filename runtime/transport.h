@@ -82,6 +82,8 @@ struct FastPathCounters {
   uint64_t writes_posted = 0;
   uint64_t credit_frames_sent = 0;
   uint64_t waits_for_credit = 0;
+  // Times the channel's RDMA watcher (deadlines, progress) woke up.
+  uint64_t watch_wakeups = 0;
 };
 
 // A transport connected at run time that may be lost (RDMA).

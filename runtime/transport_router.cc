@@ -188,6 +188,7 @@ ChannelTransportStats TransportRouter::stats() {
     stats.rdma_writes_posted = c.writes_posted;
     stats.rdma_credit_frames_sent = c.credit_frames_sent;
     stats.rdma_waits_for_credit = c.waits_for_credit;
+    stats.rdma_watch_wakeups = c.watch_wakeups;
   }
   return stats;
 }

@@ -1,8 +1,12 @@
 #include "transport/rdma/listener.h"
 
 #include <arpa/inet.h>
+#include <poll.h>
 #include <pthread.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <utility>
 
@@ -22,6 +26,10 @@ StatusOr<std::unique_ptr<CmListener>> CmListener::Start(std::string address,
   std::unique_ptr<CmListener> l(
       new CmListener(std::move(address), std::move(events)));
   RDMARPC_ASSIGN_OR_RETURN(l->channel_, CreateEventChannel());
+  l->wake_fd_ = UniqueFd(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (l->wake_fd_.get() < 0) {
+    return VerbsError("creating the RDMA listener's wake-up eventfd", errno);
+  }
   {
     std::lock_guard<std::mutex> lock(l->mu_);
     RDMARPC_RETURN_IF_ERROR(l->ListenLocked());
@@ -35,7 +43,11 @@ CmListener::~CmListener() { Stop(); }
 
 void CmListener::Stop() {
   stop_.store(true);
-  if (thread_.joinable()) thread_.join();
+  if (thread_.joinable()) {
+    uint64_t one = 1;
+    (void)!write(wake_fd_.get(), &one, sizeof(one));
+    thread_.join();
+  }
 }
 
 uint16_t CmListener::port() const {
@@ -75,8 +87,10 @@ Status CmListener::ListenLocked() {
 }
 
 void CmListener::Loop() {
+  constexpr std::chrono::milliseconds kRelistenPeriod(200);
   auto next_listen = std::chrono::steady_clock::now();
   while (!stop_.load()) {
+    bool listening = true;
     {
       // Listen again once the device is back.
       std::lock_guard<std::mutex> lock(mu_);
@@ -90,10 +104,17 @@ void CmListener::Loop() {
               "failed: ",
               listened.message());
         }
-        next_listen = now + std::chrono::milliseconds(200);
+        next_listen = now + kRelistenPeriod;
       }
+      listening = not_listening_.empty();
     }
-    auto event = NextCmEvent(channel_.get(), std::chrono::milliseconds(100));
+    pollfd fds[2] = {{channel_.get()->fd, POLLIN, 0},
+                     {wake_fd_.get(), POLLIN, 0}};
+    int timeout_ms = listening ? -1 : static_cast<int>(kRelistenPeriod.count());
+    if (poll(fds, 2, timeout_ms) <= 0 || (fds[0].revents & POLLIN) == 0) {
+      continue;  // Stop(), the re-listen period, or EINTR
+    }
+    auto event = NextCmEvent(channel_.get(), std::chrono::milliseconds(0));
     if (!event.ok()) continue;
     bool listener = false;
     {

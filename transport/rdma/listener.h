@@ -3,7 +3,8 @@
 // when the device comes back after a removal (rxe re-added, driver reset).
 // It decides nothing about clients: connect requests and the events of
 // accepted connections go to the callbacks it was started with, on its
-// thread.
+// thread. It sleeps until a CM event or Stop(); only while its device is
+// gone does it wake (every 200 ms) to try listening again.
 //
 //   CmListener::Events events;
 //   events.connect_request = [&](const CmEvent& e) { accept or reject e.id };
@@ -69,6 +70,9 @@ class CmListener {
   const std::string address_;
   const Events events_;
   EventChannel channel_;
+  // Stop() writes here: the loop sleeps on the CM channel and this, with no
+  // timeout while listening, so an idle server's listener never wakes.
+  UniqueFd wake_fd_;
   std::atomic<bool> stop_{false};
   std::thread thread_;
 

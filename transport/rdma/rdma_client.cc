@@ -180,6 +180,7 @@ void RdmaClientTransport::Monitor() {
     // monitor_resting_ set and wakes us. (A channel in use never rests,
     // so its callers never pay for the wake-up.)
     const auto checked_at = internal::CoarseSteadyNow();
+    bool resting = false;
     if (!counted) {
       outstanding =
           endpoint_->WatchProgress(checked_at, peer_timeout_).outstanding;
@@ -188,16 +189,16 @@ void RdmaClientTransport::Monitor() {
       active_at = checked_at;
     } else if (checked_at - active_at >= std::chrono::seconds(1)) {
       monitor_resting_.store(true);
-      if (endpoint_->WatchProgress(checked_at, peer_timeout_).outstanding ==
-          0) {
-        wait = std::chrono::milliseconds(1000);
-      } else {
-        monitor_resting_.store(false);
-      }
+      resting =
+          endpoint_->WatchProgress(checked_at, peer_timeout_).outstanding == 0;
+      if (!resting) monitor_resting_.store(false);
     }
+    // Resting, nothing is due until a call starts (which wakes us) or the
+    // CM reports the connection gone: an idle channel costs no wake-ups.
     pollfd fds[2] = {{conn_->cm_events()->fd, POLLIN, 0},
                      {wake_fd_.get(), POLLIN, 0}};
-    int ready = poll(fds, 2, static_cast<int>(wait.count()));
+    int ready = poll(fds, 2, resting ? -1 : static_cast<int>(wait.count()));
+    watch_wakeups_.fetch_add(1, std::memory_order_relaxed);
     monitor_resting_.store(false);
     if (ready > 0 && (fds[1].revents & POLLIN) != 0) {
       uint64_t drained = 0;
@@ -238,7 +239,9 @@ void RdmaClientTransport::WakeMonitor() {
 Status RdmaClientTransport::health() const { return endpoint_->health(); }
 
 internal::FastPathCounters RdmaClientTransport::counters() const {
-  return conn_->counters();
+  internal::FastPathCounters c = conn_->counters();
+  c.watch_wakeups = watch_wakeups_.load(std::memory_order_relaxed);
+  return c;
 }
 
 }  // namespace rdmarpc::rdma

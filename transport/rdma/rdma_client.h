@@ -76,11 +76,13 @@ class RdmaClientTransport final : public internal::FastTransport {
   std::shared_ptr<ClientEndpoint> endpoint_;
   std::shared_ptr<Connection> conn_;
   std::atomic<bool> stop_{false};
-  // With no call outstanding the monitor rests up to a second; the first
-  // call after that (or the destructor) wakes it through `wake_fd_`, so a
-  // resting channel costs one wake-up a second and a busy one no write.
+  // A second after its last outstanding call the monitor rests until the
+  // next call (or the destructor) wakes it through `wake_fd_`, or a CM
+  // event comes: a resting channel costs no wake-up and a busy one no
+  // write.
   UniqueFd wake_fd_;
   std::atomic<bool> monitor_resting_{false};
+  std::atomic<uint64_t> watch_wakeups_{0};
   std::thread monitor_;
 };
 

@@ -234,6 +234,34 @@ TEST(RdmaTransport, ThirtyTwoConnectionsToOneServer) {
             static_cast<uint64_t>(kChannels));
 }
 
+// An idle channel's watcher sleeps until the next call: no timer wakes it
+// (32 idle channels must cost a server's host next to nothing).
+TEST(RdmaTransport, AnIdleChannelsWatcherSleepsUntilTheNextCall) {
+  Service service;
+  int port = 0;
+  auto server = StartServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  auto channel = RdmaChannel(port);
+  auto stub = E2E::NewStub(channel);
+  ASSERT_TRUE(EchoOnce(stub.get(), 64, 1));
+  auto wakeups = [&] { return channel->transport_stats().rdma_watch_wakeups; };
+  // The watcher rests a second after the last call; until then it wakes
+  // every 50 ms, so two equal readings 1.5 s apart mean it rests.
+  uint64_t before = wakeups();
+  bool rested = false;
+  for (int i = 0; i < 20 && !rested; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    uint64_t now = wakeups();
+    rested = now == before;
+    before = now;
+  }
+  ASSERT_TRUE(rested) << channel->transport_stats().ToString();
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  EXPECT_EQ(wakeups(), before) << "a resting watcher woke without a call";
+  ASSERT_TRUE(EchoOnce(stub.get(), 64, 2));
+  EXPECT_GT(wakeups(), before) << "the call did not wake the watcher";
+}
+
 TEST(RdmaTransport, CreditsRunOutUnderASlowHandlerAndCallsWait) {
   Service service;
   int port = 0;
