@@ -192,6 +192,7 @@ COMMAND_TEXT="3 rounds of: ib_write_bw -d $dev -R -s 67108864 -n 5 [$addr]; $bin
   run target64 target64
 small_calls rdma rdma-inline
 run throughput "$bin/rpc_bench" throughput rdma $big_rdma
+run pipelined "$bin/rpc_bench" pipelined rdma 4096 65536
 run inflight "$bin/rpc_bench" inflight rdma $depths
 run connections "$bin/rpc_bench" connections rdma $conns
 run fanout "$bin/rpc_bench" fanout rdma $fans

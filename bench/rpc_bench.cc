@@ -8,6 +8,8 @@
 //   rpc_bench throughput  SYSTEM SIZES...   sequential calls: MB/s, CPU s/GB
 //   rpc_bench inflight    SYSTEM DEPTHS...  64 B calls, DEPTH in flight on one
 //                                           channel: calls/s, p50/p99 us
+//   rpc_bench pipelined   SYSTEM SIZES...   calls of SIZE bytes, 16 in flight
+//                                           on one channel: MB/s, calls/s
 //   rpc_bench connections SYSTEM COUNTS...  64 B calls, one in flight on each
 //                                           of COUNT channels: calls/s
 //   rpc_bench idle        SYSTEM COUNTS...  COUNT channels connected, no
@@ -388,12 +390,12 @@ std::vector<double> ClosedLoop(std::vector<std::unique_ptr<Target>>& targets,
 
 int main(int argc, char** argv) {
   if (argc < 4) {
-    std::fprintf(
-        stderr,
-        "usage: %s latency|blocking|throughput|inflight|connections|idle|"
-        "interference|fanout|threshold "
-        "rdma|grpc|rdma-inline|grpc-inline|stock VALUES...\n",
-        argv[0]);
+    std::fprintf(stderr,
+                 "usage: %s latency|blocking|throughput|pipelined|inflight|"
+                 "connections|idle|"
+                 "interference|fanout|threshold "
+                 "rdma|grpc|rdma-inline|grpc-inline|stock VALUES...\n",
+                 argv[0]);
     return 2;
   }
   g_experiment = argv[1];
@@ -462,6 +464,20 @@ int main(int argc, char** argv) {
       Row(param, "p50", Pct(us, 0.50), "us");
       Row(param, "p99", Pct(us, 0.99), "us");
       Row(param, "cpu_per_million_calls", cpu / calls * 1e6, "s");
+    }
+  } else if (g_experiment == "pipelined") {
+    // Tensor throughput with calls overlapping, as a data mover keeps them.
+    constexpr int kDepth = 16;
+    constexpr double kSeconds = 3.0;
+    std::vector<std::unique_ptr<Target>> targets;
+    targets.push_back(sys.Connect(sys.StartServer(), 0));
+    for (uint64_t bytes : values) {
+      if (!targets[0]->CallBlocking(bytes)) Fail("warm-up call");
+      uint64_t calls = 0;
+      ClosedLoop(targets, kDepth, bytes, kSeconds, &calls);
+      std::string param = std::to_string(bytes);
+      Row(param, "throughput", double(bytes) * calls / kSeconds / 1e6, "MB/s");
+      Row(param, "calls_per_s", calls / kSeconds, "1/s");
     }
   } else if (g_experiment == "idle") {
     // Both ends' CPU (this process) while COUNT connected channels make no
