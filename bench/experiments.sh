@@ -150,11 +150,13 @@ perftest_all() {
 }
 COMMAND_TEXT="ib_send_lat -d $dev -R -s SIZE -n 2000 [$addr]; ib_send_bw -d $dev -R -s 64 -n 20000 [$addr]; ib_write_bw -d $dev -R -s SIZE -n 20 (5 from 64 MiB) [$addr]" \
   run perftest perftest_all
-# perftest's start-up makes some 200k system calls, give or take 10k, so
-# its difference spans 10000 round trips.
+# perftest's start-up makes 130k-180k system calls (it times its clock
+# calibration: every clock read traps under HPET), so its difference spans
+# a million round trips; over 10000 the count swung by a whole system call
+# per round trip, even below zero.
 perftest_syscalls() {
   local n
-  for n in 1000 11000; do
+  for n in 1000 1001000; do
     perf stat -x, -e "$sc_events" -o "$sc_tmp/server.$n" \
       ib_send_lat -d "$dev" -R -s 64 -n "$n" >/dev/null 2>&1 &
     local server=$!
@@ -163,11 +165,11 @@ perftest_syscalls() {
       ib_send_lat -d "$dev" -R -s 64 -n "$n" "$addr" >/dev/null 2>&1
     wait "$server" || true
   done
-  per_call_rows ib_send_lat 10000 \
+  per_call_rows ib_send_lat 1000000 \
     "$(perf_counts "$sc_tmp/server.1000" "$sc_tmp/client.1000")" \
-    "$(perf_counts "$sc_tmp/server.11000" "$sc_tmp/client.11000")"
+    "$(perf_counts "$sc_tmp/server.1001000" "$sc_tmp/client.1001000")"
 }
-COMMAND_TEXT="perf stat -e $sc_events ib_send_lat -d $dev -R -s 64 -n 1000|11000 (server and client)" \
+COMMAND_TEXT="perf stat -e $sc_events ib_send_lat -d $dev -R -s 64 -n 1000|1001000 (server and client)" \
   run syscalls perftest_syscalls
 for sys in rdma rdma-inline; do
   for style in blocking latency; do

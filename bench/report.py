@@ -287,10 +287,11 @@ def main():
     if sc:
         md += ["## System calls per 64 B call (both ends, perf stat)", "",
                "Counted as the difference of two runs (500 and 2500 calls; "
-               "ib_send_lat 1000 and 11000 iterations), client and server "
+               "ib_send_lat 1000 and 1001000 iterations), client and server "
                "together; ib_send_lat's server and client summed per round "
                "trip. Under a VM whose clock source is HPET every clock read "
-               "is a system call (perftest reads about 1.4 per iteration and side).", "",
+               "is a system call; rpc_bench does not time its calls while "
+               "it counts.", "",
                "| path | system calls per call | futex calls per call |",
                "|---|---|---|"]
         for name in sorted(sc):
