@@ -126,6 +126,9 @@ class RdmarpcTarget final : public Target {
     rdmarpc::ChannelOptions options;
     options.policy = policy;
     options.rdma_inline_threshold = inline_threshold;
+    // RDMARPC_BENCH_CALLBACKS_INLINE=1: callbacks on the completion engine.
+    const char* cb_inline = std::getenv("RDMARPC_BENCH_CALLBACKS_INLINE");
+    options.run_callbacks_inline = cb_inline != nullptr && *cb_inline == '1';
     expected_ = policy == rdmarpc::TransportPolicy::kRdma
                     ? rdmarpc::TransportKind::kRdma
                     : rdmarpc::TransportKind::kGrpc;

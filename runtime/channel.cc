@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/access.h"
+#include "runtime/completion.h"
 #include "runtime/random.h"
 #include "runtime/spin.h"
 #include "runtime/transport.h"
@@ -38,7 +39,17 @@ ChannelTransportStats Channel::transport_stats() { return router_->stats(); }
 
 std::shared_ptr<Channel> CreateChannel(std::string target,
                                        ChannelOptions options) {
-  return std::shared_ptr<Channel>(new Channel(std::move(target), options));
+  // Tearing a channel down waits for its RDMA connection to close, which
+  // the completion thread does: dropped there (by an inline handler or
+  // callback), it is torn down on the callback thread instead.
+  return std::shared_ptr<Channel>(
+      new Channel(std::move(target), options), [](Channel* channel) {
+        if (!internal::OnCompletionThread()) {
+          delete channel;
+          return;
+        }
+        internal::RunOnCallbackThread([channel] { delete channel; });
+      });
 }
 
 void Channel::CallAsync(std::string_view method, ClientContext* ctx,
@@ -46,7 +57,7 @@ void Channel::CallAsync(std::string_view method, ClientContext* ctx,
                         google::protobuf::Message* response,
                         std::function<void(Status)> done) {
   StartCall(method, ctx, request, response, std::move(done),
-            /*done_runs_inline=*/false);
+            /*done_runs_inline=*/options_.run_callbacks_inline);
 }
 
 TransportKind Channel::StartCall(std::string_view method, ClientContext* ctx,
@@ -137,6 +148,12 @@ class CallWaiter {
 Status Channel::Call(std::string_view method, ClientContext* ctx,
                      const google::protobuf::Message& request,
                      google::protobuf::Message* response) {
+  if (internal::OnCompletionThread()) {
+    return absl::FailedPreconditionError(
+        "a blocking call on the RDMA completion thread (from a handler run "
+        "inline, or a callback with ChannelOptions::run_callbacks_inline) "
+        "would wait for the thread it blocks; use CallAsync there");
+  }
   // Shared: the completing thread may still be in Complete() when a
   // spinning caller sees kDone and returns.
   auto waiter = std::make_shared<CallWaiter>();

@@ -12,6 +12,13 @@ void RunOnCallbackThread(std::function<void()> task) {
   pool->Post(std::move(task));
 }
 
+namespace {
+thread_local bool completion_thread = false;
+}  // namespace
+
+void MarkCompletionThread() { completion_thread = true; }
+bool OnCompletionThread() { return completion_thread; }
+
 void DeferredCompletion::Arm(std::function<void(Status)> done, Status status) {
   done_ = std::move(done);
   status_ = std::move(status);

@@ -34,6 +34,11 @@ class DeferredCompletion {
 // Runs `task` on the runtime's own callback thread.
 void RunOnCallbackThread(std::function<void()> task);
 
+// Marks the calling thread as one that completes calls (the RDMA
+// completion engine): a blocking call made on it would wait for itself.
+void MarkCompletionThread();
+bool OnCompletionThread();
+
 }  // namespace rdmarpc::internal
 
 #endif  // RDMARPC_RUNTIME_COMPLETION_H_

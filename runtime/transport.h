@@ -45,8 +45,9 @@ struct ClientCall {
   std::optional<Resend> resend;
   std::function<void(Status)> done;
   // `done` only wakes a thread that waits for it (Channel::Call,
-  // CallFuture): a transport may run it on its own thread, such as the RDMA
-  // completion engine, instead of handing it to the callback thread.
+  // CallFuture), or the user asked for it (run_callbacks_inline): a
+  // transport may run it on its own thread, such as the RDMA completion
+  // engine, instead of handing it to the callback thread.
   bool done_runs_inline = false;
   // The thread that calls Start waits for `done` right after (Channel::Call):
   // a transport may drive the whole call on it and return once done ran.

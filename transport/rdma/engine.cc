@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/coarse_clock.h"
+#include "runtime/completion.h"
 #include "runtime/spin.h"
 #include "transport/rdma/connection.h"
 #include "transport/rdma/verbs.h"
@@ -182,6 +183,7 @@ void Engine::ReleaseDevicesLocked() {
 }
 
 void Engine::Loop() {
+  internal::MarkCompletionThread();
   const internal::SpinClock& clock = internal::SpinClock::Get();
   const uint64_t event_period = clock.Ticks(kAsyncEventPeriod);
   const uint64_t long_pass = clock.Ticks(kLongPass);

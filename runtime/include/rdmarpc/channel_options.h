@@ -54,6 +54,14 @@ struct ChannelOptions {
   // to the maximum; every wait is jittered by +-25%.
   std::chrono::milliseconds rdma_probe_initial_backoff{100};
   std::chrono::milliseconds rdma_probe_max_backoff{5000};
+  // CallAsync's callbacks of calls that complete over RDMA run on the RDMA
+  // completion thread itself, without a hand-off to the runtime's callback
+  // thread (a futex wake-up and a thread switch per call). Such a callback
+  // must not block: it holds up every RDMA connection of the process, and a
+  // blocking Channel::Call made in it fails with FAILED_PRECONDITION (it
+  // would wait for the thread it runs on). It may start calls with
+  // CallAsync. Calls over gRPC still complete on gRPC's threads.
+  bool run_callbacks_inline = false;
 
   // How RDMA reaches tensors in GPU memory (see GpuRdmaMode in
   // rdmarpc/memory.h); CallStats::gpu_rdma_mode says what each call used.

@@ -230,7 +230,8 @@ class ServerBuilder {
   // waits while a handler runs. Only for handlers that never block (no
   // I/O, no locks held by slow code, no waiting on other calls) and finish
   // in microseconds; HandlerStats::inline_stalls counts those that took
-  // 1 ms or more.
+  // 1 ms or more. A blocking Channel::Call made by such a handler on the
+  // RDMA engine fails with FAILED_PRECONDITION (use CallAsync).
   ServerBuilder& SetRunHandlersInline(bool run_inline);
   // Marks one method ("/package.Service/Method") as one whose handler may
   // block: with SetRunHandlersInline its handlers still run on the worker

@@ -3,6 +3,7 @@
 // zero-copy accounting, and peers that break the rules. Needs an RDMA
 // device (label rdma: run through tests/rdma_vm/run.sh).
 #include <gtest/gtest.h>
+#include <pthread.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -232,6 +233,94 @@ TEST(RdmaTransport, ThirtyTwoConnectionsToOneServer) {
   EXPECT_EQ(ok.load(), kChannels * 5);
   EXPECT_GE(server->rdma_stats().connections_accepted,
             static_cast<uint64_t>(kChannels));
+}
+
+std::string ThreadName() {
+  char name[16] = {};
+  pthread_getname_np(pthread_self(), name, sizeof(name));
+  return name;
+}
+
+// With run_callbacks_inline a callback runs on the completion engine: it may
+// chain calls with CallAsync, a blocking call there is refused (it would
+// wait for its own thread), and the channel may be dropped there.
+TEST(RdmaTransport, CallbacksRunOnTheCompletionThreadWhenAsked) {
+  Service service;
+  int port = 0;
+  auto server = StartServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  rdmarpc::ChannelOptions options;
+  options.policy = rdmarpc::TransportPolicy::kRdma;
+  options.rdma_connect_timeout = std::chrono::seconds(60);
+  options.run_callbacks_inline = true;
+  auto channel =
+      rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port), options);
+  auto stub = E2E::NewStub(channel);
+  ASSERT_TRUE(EchoOnce(stub.get(), 64, 1));  // connected over RDMA
+
+  struct Outcome {
+    std::string first_thread, chained_thread;
+    rdmarpc::Status first, blocking, chained;
+  };
+  Outcome out;
+  std::promise<void> done;
+  ClientContext ctx, blocking_ctx, chained_ctx;
+  EchoRequest req;
+  EchoResponse resp, blocking_resp, chained_resp;
+  req.set_note("inline");
+  stub->Echo(&ctx, req, &resp, [&](rdmarpc::Status s) {
+    out.first_thread = ThreadName();
+    out.first = s;
+    out.blocking = stub->Echo(&blocking_ctx, req, &blocking_resp);
+    stub->Echo(&chained_ctx, req, &chained_resp, [&](rdmarpc::Status c) {
+      out.chained_thread = ThreadName();
+      out.chained = c;
+      done.set_value();
+    });
+  });
+  done.get_future().wait();
+  EXPECT_TRUE(out.first.ok()) << out.first;
+  EXPECT_EQ(out.first_thread, "rdmarpc-engine");
+  EXPECT_EQ(out.blocking.code(), rdmarpc::StatusCode::kFailedPrecondition)
+      << out.blocking;
+  EXPECT_TRUE(out.chained.ok()) << out.chained;
+  EXPECT_EQ(out.chained_thread, "rdmarpc-engine");
+  EXPECT_EQ(chained_ctx.stats().transport, rdmarpc::TransportKind::kRdma);
+
+  // The last reference to the channel goes with the callback, on the
+  // engine: its teardown must not wait there for the engine itself.
+  std::promise<void> dropped;
+  {
+    ClientContext last_ctx;
+    EchoResponse last_resp;
+    stub.reset();
+    rdmarpc::Channel* raw = channel.get();
+    raw->CallAsync("/rdmarpc_test.E2E/Echo", &last_ctx, req, &last_resp,
+                   [keep = std::move(channel), &dropped](rdmarpc::Status) {
+                     dropped.set_value();
+                   });
+    dropped.get_future().wait();
+  }
+  // The engine still serves other connections.
+  auto other = E2E::NewStub(RdmaChannel(port));
+  EXPECT_TRUE(EchoOnce(other.get(), 64, 2));
+}
+
+// Without it, callbacks run on the runtime's callback thread.
+TEST(RdmaTransport, CallbacksRunOnTheCallbackThreadByDefault) {
+  Service service;
+  int port = 0;
+  auto server = StartServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  auto stub = E2E::NewStub(RdmaChannel(port));
+  ASSERT_TRUE(EchoOnce(stub.get(), 64, 1));
+  std::promise<std::string> thread;
+  ClientContext ctx;
+  EchoRequest req;
+  EchoResponse resp;
+  stub->Echo(&ctx, req, &resp,
+             [&](rdmarpc::Status) { thread.set_value(ThreadName()); });
+  EXPECT_EQ(thread.get_future().get(), "rdmarpc-done");
 }
 
 // An idle channel's watcher sleeps until the next call: no timer wakes it
