@@ -152,7 +152,8 @@ Status Channel::Call(std::string_view method, ClientContext* ctx,
     return absl::FailedPreconditionError(
         "a blocking call on the RDMA completion thread (from a handler run "
         "inline, or a callback with ChannelOptions::run_callbacks_inline) "
-        "would wait for the thread it blocks; use CallAsync there");
+        "would stall every RDMA connection of the process, and over RDMA "
+        "wait for its own thread; use CallAsync there");
   }
   // Shared: the completing thread may still be in Complete() when a
   // spinning caller sees kDone and returns.

@@ -348,6 +348,11 @@ TEST(RdmaTransport, AnIdleChannelsWatcherSleepsUntilTheNextCall) {
   std::this_thread::sleep_for(std::chrono::seconds(2));
   EXPECT_EQ(wakeups(), before) << "a resting watcher woke without a call";
   ASSERT_TRUE(EchoOnce(stub.get(), 64, 2));
+  // The call wrote the watcher's eventfd; it counts once it has run.
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (wakeups() == before && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   EXPECT_GT(wakeups(), before) << "the call did not wake the watcher";
 }
 
