@@ -8,7 +8,8 @@
 //   (b) set the netdev down, then up;
 //   (c) force the client's queue pair into the error state;
 //   (d) kill -9 the server process and start it again on the same port;
-//   (e) exhaust the server's landing pool (a slow call holds most of it).
+//   (e) exhaust the server's landing pool (a slow call holds most of it);
+//   (f) drop 30% of the RDMA path's packets while gRPC stays healthy.
 // Per scenario it counts calls issued, succeeded, failed with a clear status,
 // run twice by the server (its handler logs each call id to a file that
 // survives the kill), lost (issued without a callback) and callbacks run
@@ -16,10 +17,11 @@
 // the table at the end. Required: nothing lost, nothing run twice, no
 // corrupt bytes, every failure UNAVAILABLE or DEADLINE_EXCEEDED with a
 // message, no failure at all where the server's gRPC port stays up (all
-// rows but (d)), and fail-back to RDMA after (a) and (b).
+// rows but (d)), and fail-back to RDMA after (a), (b) and (f).
 //
 // Must run as root on a host whose only RDMA device is a soft-RoCE link
-// named rxe0 (tests/rdma_vm/guest.sh sets that up).
+// named rxe0 (tests/rdma_vm/guest.sh sets that up). Row (f) rewires the
+// host's routing rules, so it runs only in the VM.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -162,7 +164,10 @@ bool WaitForPortActive(std::chrono::milliseconds limit) {
 
 class ServerProcess {
  public:
-  ServerProcess(int port, std::string log) : port_(port), log_(log) {}
+  // `rdma_addr`: the address its RDMA listener binds (RDMARPC_RDMA_ADDR);
+  // empty: this process's.
+  ServerProcess(int port, std::string log, std::string rdma_addr)
+      : port_(port), log_(log), rdma_addr_(std::move(rdma_addr)) {}
   ~ServerProcess() { Kill(); }
 
   bool Start() {
@@ -176,7 +181,21 @@ class ServerProcess {
     std::vector<char*> argv = {exe,          const_cast<char*>("--serve"),
                                port.data(),  log_.data(),
                                ready.data(), nullptr};
-    if (posix_spawn(&pid_, exe, nullptr, nullptr, argv.data(), environ) != 0) {
+    std::vector<std::string> env_strings;
+    for (char** e = environ; *e != nullptr; ++e) {
+      if (rdma_addr_.empty() ||
+          std::strncmp(*e, "RDMARPC_RDMA_ADDR=", 18) != 0) {
+        env_strings.push_back(*e);
+      }
+    }
+    if (!rdma_addr_.empty()) {
+      env_strings.push_back("RDMARPC_RDMA_ADDR=" + rdma_addr_);
+    }
+    std::vector<char*> env;
+    for (std::string& e : env_strings) env.push_back(e.data());
+    env.push_back(nullptr);
+    if (posix_spawn(&pid_, exe, nullptr, nullptr, argv.data(), env.data()) !=
+        0) {
       return false;
     }
     auto until = Clock::now() + 30s;
@@ -208,6 +227,7 @@ class ServerProcess {
  private:
   int port_;
   std::string log_;
+  std::string rdma_addr_;
   pid_t pid_ = -1;
   std::string rdma_status_;
 };
@@ -247,8 +267,9 @@ std::vector<Row>& Table() {
 
 class Load {
  public:
-  explicit Load(std::shared_ptr<rdmarpc::Channel> channel)
-      : channel_(std::move(channel)) {}
+  Load(std::shared_ptr<rdmarpc::Channel> channel,
+       std::chrono::milliseconds call_timeout)
+      : channel_(std::move(channel)), call_timeout_(call_timeout) {}
 
   void Start(int threads) {
     for (int i = 0; i < threads; ++i) {
@@ -290,7 +311,7 @@ class Load {
                            {static_cast<int64_t>(size)},
                            TensorBuffer::Borrow(call->bytes.data(), size))
                       .ok());
-      call->ctx.set_timeout(30s);
+      call->ctx.set_timeout(call_timeout_);
       auto future = call->result.get_future();
       Sample sample;
       sample.start = Clock::now();
@@ -338,6 +359,7 @@ class Load {
   }
 
   std::shared_ptr<rdmarpc::Channel> channel_;
+  const std::chrono::milliseconds call_timeout_;
   std::atomic<bool> stop_{false};
   std::vector<std::thread> workers_;
   std::mutex mu_;
@@ -385,21 +407,41 @@ class FaultTest : public ::testing::Test {
   }
   void TearDown() override { rdmarpc::internal::fault::DisarmAll(); }
 
+  struct Setting {
+    // Wait for the channel to be back on RDMA (up to 30 s after `inject`
+    // returned).
+    bool expect_failback = false;
+    // The server's gRPC port stays up: a call RDMA cannot finish must be
+    // re-sent over gRPC, so no call may fail at all.
+    bool server_reachable = true;
+    std::string server_rdma_addr;  // empty: RDMARPC_RDMA_ADDR as set
+    std::chrono::milliseconds call_timeout = 30s;
+
+    static Setting FailsBack() {
+      Setting s;
+      s.expect_failback = true;
+      return s;
+    }
+    static Setting ServerUnreachable() {
+      Setting s;
+      s.server_reachable = false;
+      return s;
+    }
+  };
+
   // Runs the load, calls `inject` after a steady second and a half, and
-  // waits for the channel to be back on RDMA (up to 30 s after `inject`
-  // returned) when `expect_failback`. Where the server's gRPC port stays
-  // up (`server_reachable`), a call RDMA cannot finish must be re-sent over
-  // gRPC, so no call may fail at all.
+  // checks the outcome against `setting`.
   void Scenario(const std::string& name,
                 const std::function<void(Context&)>& inject,
-                bool expect_failback, bool server_reachable) {
+                const Setting& setting) {
+    const bool expect_failback = setting.expect_failback;
     Row row;
     row.name = name;
     std::string log = "/tmp/rdmarpc_fault_" + std::to_string(getpid()) + "_" +
                       std::to_string(Table().size()) + ".log";
     unlink(log.c_str());
     int port = FreePort();
-    ServerProcess server(port, log);
+    ServerProcess server(port, log, setting.server_rdma_addr);
     ASSERT_TRUE(server.Start()) << "server did not start";
     ASSERT_EQ(server.rdma_status().rfind("listening", 0), 0u)
         << server.rdma_status();
@@ -422,7 +464,7 @@ class FaultTest : public ::testing::Test {
     }
     ASSERT_TRUE(on_rdma) << channel->transport_stats().ToString();
 
-    Load load(channel);
+    Load load(channel, setting.call_timeout);
     load.Start(4);
     std::this_thread::sleep_for(1500ms);
     Context context{&server, channel.get(), netdev_, ""};
@@ -487,7 +529,7 @@ class FaultTest : public ::testing::Test {
     EXPECT_EQ(row.double_callbacks, 0u);
     EXPECT_EQ(row.corrupt, 0u);
     EXPECT_EQ(row.failed_unclear, 0u) << row.sample_failure;
-    if (server_reachable) {
+    if (setting.server_reachable) {
       EXPECT_EQ(row.failed_clear, 0u) << row.sample_failure;
     }
     if (expect_failback) {
@@ -508,7 +550,7 @@ TEST_F(FaultTest, A_DeleteRxeLink) {
         Shell("rdma link add rxe0 type rxe netdev " + c.netdev);
         EXPECT_TRUE(WaitForPortActive(10s));
       },
-      /*expect_failback=*/true, /*server_reachable=*/true);
+      Setting::FailsBack());
 }
 
 // rxe's connection manager does not survive a netdev flap under a live
@@ -542,7 +584,7 @@ TEST_F(FaultTest, B_NetdevDownThenUp) {
         Shell("rdma link add rxe0 type rxe netdev " + c.netdev);
         EXPECT_TRUE(WaitForPortActive(10s));
       },
-      /*expect_failback=*/true, /*server_reachable=*/true);
+      Setting::FailsBack());
 }
 
 TEST_F(FaultTest, C_QueuePairError) {
@@ -552,7 +594,7 @@ TEST_F(FaultTest, C_QueuePairError) {
         rdmarpc::internal::fault::Arm("rdma.client.qp_error", 1);
         std::this_thread::sleep_for(500ms);
       },
-      /*expect_failback=*/false, /*server_reachable=*/true);
+      Setting());
 }
 
 TEST_F(FaultTest, D_KillAndRestartServer) {
@@ -563,7 +605,7 @@ TEST_F(FaultTest, D_KillAndRestartServer) {
         std::this_thread::sleep_for(1s);
         EXPECT_TRUE(c.server->Start());
       },
-      /*expect_failback=*/false, /*server_reachable=*/false);
+      Setting::ServerUnreachable());
 }
 
 TEST_F(FaultTest, E_LandingPoolExhausted) {
@@ -620,7 +662,98 @@ TEST_F(FaultTest, E_LandingPoolExhausted) {
             << "a 4 MiB request did not fall back while the pool was held";
         c.note = "4 MiB requests answered not_executed, re-sent over gRPC";
       },
-      /*expect_failback=*/false, /*server_reachable=*/true);
+      Setting());
+}
+
+// Row (f)'s path: a veth pair with a soft-RoCE link on each end, the
+// server's on lossy_s (198.19.0.1), the client's on lossy_c (198.19.0.2).
+// Both addresses are local, which the kernel would route over lo (rxe then
+// never sees its own netdev): rules ahead of the local table send this
+// host's packets to each address out of the other end of the pair, and
+// static neighbours spare the ARP that a local source address would fail.
+// gRPC keeps 127.0.0.1, so only RDMA crosses the pair.
+constexpr char kLossyServerAddr[] = "198.19.0.1";
+constexpr const char* kLossyDevs[] = {"lossy_s", "lossy_c"};
+
+bool SetUpLossyPath() {
+  if (access("/sys/class/net/lossy_s", F_OK) == 0) return true;
+  Shell(
+      "set -e\n"
+      "ip link add lossy_s type veth peer name lossy_c\n"
+      "ip addr add 198.19.0.1/24 dev lossy_s\n"
+      "ip addr add 198.19.0.2/24 dev lossy_c\n"
+      "ip link set lossy_s up\n"
+      "ip link set lossy_c up\n"
+      "for d in all lossy_s lossy_c; do\n"
+      "  sysctl -qw net.ipv4.conf.$d.accept_local=1 "
+      "net.ipv4.conf.$d.rp_filter=0\n"
+      "done\n"
+      "ip neigh replace 198.19.0.1 dev lossy_c nud permanent lladdr "
+      "$(cat /sys/class/net/lossy_s/address)\n"
+      "ip neigh replace 198.19.0.2 dev lossy_s nud permanent lladdr "
+      "$(cat /sys/class/net/lossy_c/address)\n"
+      "ip route add 198.19.0.1 dev lossy_c src 198.19.0.2 table 100\n"
+      "ip route add 198.19.0.2 dev lossy_s src 198.19.0.1 table 101\n"
+      "ip rule add pref 10 to 198.19.0.1 iif lo lookup 100\n"
+      "ip rule add pref 11 to 198.19.0.2 iif lo lookup 101\n"
+      "ip rule add pref 100 lookup local\n"
+      "ip rule del pref 0\n"
+      "rdma link add rxe_lossy_s type rxe netdev lossy_s\n"
+      "rdma link add rxe_lossy_c type rxe netdev lossy_c\n");
+  for (const char* link : {"rxe_lossy_s", "rxe_lossy_c"}) {
+    auto until = Clock::now() + 10s;
+    std::string state =
+        std::string("/sys/class/infiniband/") + link + "/ports/1/state";
+    while (ReadFile(state).find("ACTIVE") == std::string::npos) {
+      if (Clock::now() > until) return false;
+      std::this_thread::sleep_for(50ms);
+    }
+  }
+  return true;
+}
+
+// Drops `percent`% of the RoCE packets (UDP 4791) leaving either end of
+// the pair; 0 removes the loss.
+void SetRdmaLoss(int percent) {
+  for (const char* dev : kLossyDevs) {
+    std::string d = dev;
+    if (percent == 0) {
+      Shell("tc qdisc del dev " + d + " root");
+      continue;
+    }
+    Shell("tc qdisc add dev " + d + " root handle 1: prio && " +
+          "tc qdisc add dev " + d + " parent 1:3 handle 30: netem loss " +
+          std::to_string(percent) + "% && " + "tc filter add dev " + d +
+          " parent 1:0 protocol ip u32 match ip protocol 17 0xff "
+          "match ip dport 4791 0xffff flowid 1:3");
+  }
+}
+
+// A path that loses packets but still delivers some must not stall calls:
+// those that make no progress are re-sent over gRPC well within their
+// 8 s deadline (it was 11.7 s once, with every caller stuck).
+TEST_F(FaultTest, F_LossyRdmaPath) {
+  if (std::getenv("RDMARPC_RDMA_VM_GUEST") == nullptr) {
+    GTEST_SKIP() << "rewires the routing rules of the host: runs only in the "
+                    "soft-RoCE VM (tests/rdma_vm/run.sh)";
+  }
+  ASSERT_TRUE(SetUpLossyPath()) << "the veth pair's rxe links never came up";
+  Setting setting = Setting::FailsBack();
+  setting.server_rdma_addr = kLossyServerAddr;
+  setting.call_timeout = 8s;
+  Scenario(
+      "(f) 30% loss on the RDMA path",
+      [](Context& c) {
+        uint64_t switches_before = c.channel->transport_stats().switches;
+        SetRdmaLoss(30);
+        std::this_thread::sleep_for(6s);
+        SetRdmaLoss(0);
+        // Staying on RDMA meant calls of 7.7 s while gRPC answered at once.
+        EXPECT_GT(c.channel->transport_stats().switches, switches_before)
+            << "the channel stayed on the lossy path";
+        c.note = "calls without progress re-sent over gRPC";
+      },
+      setting);
 }
 
 // librdmacm (rdma-core 44) re-reads the device list only while some device

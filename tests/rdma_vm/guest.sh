@@ -39,6 +39,7 @@ cut -d' ' -f1 /proc/uptime >"$job/boot_s"
 # shellcheck disable=SC1091
 source "$job/env"
 export RDMARPC_RDMA_ADDR="$addr"
+export RDMARPC_RDMA_VM_GUEST=1  # tests that rewire the network run only here
 cd "$(cat "$job/cwd")" || fail "working directory $(cat "$job/cwd") missing in the guest"
 
 if [ -e "$job/shell" ]; then

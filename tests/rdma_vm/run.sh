@@ -115,8 +115,9 @@ kdir="$cache/$kver"
 
 # Modules rdma_rxe and the 9p root need, and their dependencies. rdma_rxe
 # needs crc32_generic at 'rdma link add' time without declaring it, so it
-# is named explicitly and loaded first.
-readonly wanted_modules="crc32_generic 9p 9pnet_virtio virtio_pci rdma_rxe ib_uverbs rdma_ucm dummy"
+# is named explicitly and loaded first. veth, sch_prio, sch_netem and
+# cls_u32 build the fault test's lossy RDMA path.
+readonly wanted_modules="crc32_generic 9p 9pnet_virtio virtio_pci rdma_rxe ib_uverbs rdma_ucm dummy veth sch_netem sch_prio cls_u32"
 
 # qemu boots an uncompressed ELF kernel through its PVH entry point, which
 # skips the firmware's real-mode loader and the in-guest decompression: about
