@@ -83,7 +83,7 @@ if [ "$sanitizers" = 1 ]; then
     ctest --output-on-failure -j 2 "${host_suites[@]}") || status=1
 fi
 
-# One VM boot: the rdma group in each tree, then the fault tests.
+# One VM boot: the rdma group in each tree, then the fault tests in each.
 vm_script="s=0
 cd '$root/$build_dir' && ctest --output-on-failure -L '^rdma\$' || s=1"
 # The TSan tree skips the 1 GiB tensor: with TSan's shadow memory it does
@@ -94,7 +94,13 @@ cd '$root/build-asan' && ctest --output-on-failure -L '^rdma\$' || s=1
 cd '$root/build-tsan' && GTEST_FILTER='-*OneGibibyte*' ctest --output-on-failure -L '^rdma\$' || s=1"
 fi
 vm_script+="
-cd '$root/$build_dir' && ctest --output-on-failure -L '^fault\$' || s=1
+cd '$root/$build_dir' && ctest --output-on-failure -L '^fault\$' || s=1"
+if [ "$sanitizers" = 1 ]; then
+  vm_script+="
+cd '$root/build-asan' && ctest --output-on-failure -L '^fault\$' || s=1
+cd '$root/build-tsan' && ctest --output-on-failure -L '^fault\$' || s=1"
+fi
+vm_script+="
 exit \$s"
 RDMARPC_VM_VERBOSE=1 timed "rdma groups and fault tests in the VM (boot included)" \
   "$root/tests/rdma_vm/run.sh" sh -c "$vm_script" || status=1

@@ -203,13 +203,18 @@ void Engine::Loop() {
       Connection* c = conns[i].get();
       progress |= c->Poll();
       if (c->closed()) {
+        {
+          // First: destroying the last id on a removed device closes the
+          // device, and its async fd with it (FinishClose or the last
+          // reference may do that).
+          std::lock_guard<std::mutex> lock(mu_);
+          ReleaseDevicesLocked();
+        }
         (void)epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, c->completion_fd(),
                         nullptr);  // an error: the fd is gone already
         c->FinishClose();
         conns[i] = std::move(conns.back());
         conns.pop_back();
-        std::lock_guard<std::mutex> lock(mu_);
-        ReleaseDevicesLocked();
         continue;
       }
       ++i;

@@ -72,7 +72,9 @@ class Engine {
   // Waits up to `timeout_ms` (-1: forever) for epoll and handles what it
   // reports: wake-ups, completion channels, device events.
   void HandleEpoll(int timeout_ms);
-  // Stops watching devices no open connection uses. Requires mu_.
+  // Stops watching devices no open connection uses. Requires mu_. Runs
+  // before a closed connection's id is destroyed: destroying the last id on
+  // a removed device frees its context.
   void ReleaseDevicesLocked();
 
   UniqueFd epoll_fd_;
