@@ -361,6 +361,18 @@ def main():
             md.append(f"| {s} | {fmt(v)} | "
                       f"{fmt(get('throughput', s, 'cpu_per_gb').get(64 << 20))} |")
         md.append("")
+    allocs = {(exp, s): get(exp, s, "allocations_per_call").get(64)
+              for exp in ("latency", "blocking")
+              for s in ("rdma", "rdma-inline", "grpc", "grpc-inline", "stock")}
+    if any(v is not None for v in allocs.values()):
+        md += ["## Heap allocations per 64 B call (both ends, whole process)",
+               "", "Counted by interposing malloc in rpc_bench (operator new "
+               "allocates through it), over every call of the run.", "",
+               "| path | callback API | blocking stub |", "|---|---|---|"]
+        for s in ("rdma", "rdma-inline", "grpc", "grpc-inline", "stock"):
+            md.append(f"| {s} | {fmt(allocs[('latency', s)])} | "
+                      f"{fmt(allocs[('blocking', s)])} |")
+        md.append("")
     inl, wr = (get("threshold", "rdma", "inline_p50"),
                get("threshold", "rdma", "written_p50"))
     if inl:

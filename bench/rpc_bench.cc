@@ -3,7 +3,8 @@
 //   experiment,system,transport,param,metric,value,unit
 //
 //   rpc_bench latency     SYSTEM SIZES...   sequential calls (callback API):
-//                                           p50/p99/p999 us
+//                                           p50/p99/p999 us, CPU and heap
+//                                           allocations per call
 //   rpc_bench blocking    SYSTEM SIZES...   the same with blocking stubs
 //   rpc_bench throughput  SYSTEM SIZES...   sequential calls: MB/s, CPU s/GB
 //   rpc_bench inflight    SYSTEM DEPTHS...  64 B calls, DEPTH in flight on one
@@ -54,6 +55,30 @@
 #include "e2e_test.rdmarpc.pb.h"
 #include "rdmarpc/rdmarpc.h"
 #include "stock.grpc.pb.h"
+
+// Heap allocations of the whole process (both ends of every call, and
+// every library's), counted by interposing malloc; glibc's own entry points
+// do the work. operator new allocates through malloc.
+std::atomic<uint64_t> g_allocations{0};
+
+extern "C" {
+void* __libc_malloc(size_t size);
+void* __libc_calloc(size_t count, size_t size);
+void* __libc_realloc(void* ptr, size_t size);
+
+void* malloc(size_t size) {
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  return __libc_malloc(size);
+}
+void* calloc(size_t count, size_t size) {
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  return __libc_calloc(count, size);
+}
+void* realloc(void* ptr, size_t size) {
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  return __libc_realloc(ptr, size);
+}
+}
 
 namespace {
 
@@ -340,6 +365,7 @@ std::vector<double> Sequential(Target* t, size_t bytes, int min_calls,
     if (!t->CallBlocking(bytes)) Fail("warm-up call");
   }
   std::vector<double> us;
+  us.reserve(min_calls);
   auto start = Clock::now();
   while (static_cast<int>(us.size()) < min_calls ||
          std::chrono::duration<double>(Clock::now() - start).count() <
@@ -426,6 +452,7 @@ int main(int argc, char** argv) {
     for (uint64_t bytes : values) {
       std::string param = std::to_string(bytes);
       double cpu0 = CpuSeconds();
+      uint64_t allocations0 = g_allocations.load();
       double seconds = 0;
       bool small = g_experiment != "throughput";
       // RDMARPC_BENCH_CALLS=N: exactly N calls (after the warm-up), for
@@ -441,11 +468,14 @@ int main(int argc, char** argv) {
                            &seconds, g_experiment == "blocking",
                            /*timed=*/fixed == nullptr || *fixed == '\0');
       double cpu = CpuSeconds() - cpu0;
+      double allocations =
+          static_cast<double>(g_allocations.load() - allocations0);
       if (small) {
         Row(param, "p50", Pct(us, 0.50), "us");
         Row(param, "p99", Pct(us, 0.99), "us");
         Row(param, "p999", Pct(us, 0.999), "us");
         Row(param, "cpu_per_million_calls", cpu / us.size() * 1e6, "s");
+        Row(param, "allocations_per_call", allocations / us.size(), "n");
       } else {
         double moved = static_cast<double>(bytes) * us.size();
         Row(param, "throughput", moved / seconds / 1e6, "MB/s");
