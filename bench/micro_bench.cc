@@ -20,6 +20,7 @@
 #include "transport/rdma/payload.h"
 #include "transport/rdma/registration.h"
 #include "transport/rdma/verbs.h"
+#include "transport/rdma/wire.h"
 
 namespace {
 
@@ -35,8 +36,9 @@ void BM_PlanSmallPart(benchmark::State& state) {
                   rdmarpc::TensorBuffer::Borrow(bytes.data(), bytes.size()));
   for (auto _ : state) {
     for (int t = 0; t < tensors; ++t) {
-      auto planned =
-          rdmarpc::rdma::PlanPayload(req, bound, 32 << 10, 0, {}, nullptr);
+      rdmarpc::rdma::ScratchHead<rdmarpc::rdma::RequestHead> head;
+      auto planned = rdmarpc::rdma::PlanPayload(req, bound, 32 << 10, 0, {},
+                                                nullptr, head->mutable_parts());
       benchmark::DoNotOptimize(planned);
     }
   }

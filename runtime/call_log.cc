@@ -40,8 +40,8 @@ void AnswerWithCopy(const Status& status, const Message* response,
   copy->CopyFrom(*response);
   // Same message, same walk: the k-th tensor of the copy is the k-th of the
   // original, so it gets the original's buffer.
-  std::vector<const Tensor*> from;
-  std::vector<Tensor*> to;
+  TensorList from;
+  MutableTensorList to;
   Status walked = CollectTensors(*response, &from);
   if (walked.ok()) walked = CollectMutableTensors(copy.get(), &to);
   if (!walked.ok()) return done(walked, nullptr);

@@ -39,7 +39,7 @@ StatusOr<TensorBuffer> AllocateOn(size_t size, Device device) {
 
 StatusOr<OutgoingPlan> PlanOutgoing(const google::protobuf::Message& msg,
                                     const CallTensors& tensors) {
-  std::vector<const Tensor*> fields;
+  TensorList fields;
   RDMARPC_RETURN_IF_ERROR(CollectTensors(msg, &fields));
   OutgoingPlan plan;
   plan.tensors.reserve(fields.size());
@@ -71,7 +71,7 @@ StatusOr<OutgoingPlan> PlanOutgoing(const google::protobuf::Message& msg,
 
 StatusOr<std::vector<Device>> TensorPlacement::Resolve(
     const google::protobuf::Message& msg) const {
-  std::vector<int> fields;
+  TopFieldList fields;
   RDMARPC_RETURN_IF_ERROR(CollectTensorTopFields(msg, &fields));
   std::vector<Device> devices(fields.size(), device);
   for (size_t i = 0; i < fields.size(); ++i) {
@@ -94,7 +94,7 @@ StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
                                         uint64_t max_bytes,
                                         std::shared_ptr<const void> owner,
                                         CallTensors* tensors) {
-  std::vector<Tensor*> fields;
+  MutableTensorList fields;
   RDMARPC_RETURN_IF_ERROR(CollectMutableTensors(msg, &fields));
   if (fields.size() != parts.size()) {
     return absl::InvalidArgumentError(
@@ -187,11 +187,11 @@ StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
 StatusOr<std::unique_ptr<google::protobuf::Message>> InlineTensors(
     const google::protobuf::Message& msg, const CallTensors& tensors,
     uint64_t* copied) {
-  std::vector<const Tensor*> fields;
+  TensorList fields;
   RDMARPC_RETURN_IF_ERROR(CollectTensors(msg, &fields));
   std::unique_ptr<google::protobuf::Message> copy(msg.New());
   copy->CopyFrom(msg);
-  std::vector<Tensor*> copy_fields;
+  MutableTensorList copy_fields;
   RDMARPC_RETURN_IF_ERROR(CollectMutableTensors(copy.get(), &copy_fields));
   for (size_t i = 0; i < fields.size(); ++i) {
     const TensorBuffer* b = CallTensorsAccess::Find(tensors, *fields[i]);

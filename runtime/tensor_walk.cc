@@ -112,8 +112,8 @@ Status MapHoldsTensors(const FieldDescriptor* f) {
 }
 
 // `top`, when given, receives the top-level field number of each tensor.
-Status Walk(const Message& msg, std::vector<const Tensor*>* out, int depth,
-            std::vector<int>* top, int top_field) {
+Status Walk(const Message& msg, TensorList* out, int depth, TopFieldList* top,
+            int top_field) {
   if (depth > kMaxDepth) {
     return absl::InvalidArgumentError(
         absl::StrCat("message nesting deeper than ", kMaxDepth));
@@ -161,7 +161,7 @@ Status Walk(const Message& msg, std::vector<const Tensor*>* out, int depth,
 
 }  // namespace
 
-Status CollectTensors(const Message& msg, std::vector<const Tensor*>* out) {
+Status CollectTensors(const Message& msg, TensorList* out) {
   out->clear();
   if (IsTensor(msg.GetDescriptor())) {
     return absl::InvalidArgumentError(
@@ -170,17 +170,17 @@ Status CollectTensors(const Message& msg, std::vector<const Tensor*>* out) {
   return Walk(msg, out, 0, nullptr, 0);
 }
 
-Status CollectTensorTopFields(const Message& msg, std::vector<int>* out) {
+Status CollectTensorTopFields(const Message& msg, TopFieldList* out) {
   out->clear();
-  std::vector<const Tensor*> tensors;
+  TensorList tensors;
   if (IsTensor(msg.GetDescriptor())) return CollectTensors(msg, &tensors);
   return Walk(msg, &tensors, 0, out, 0);
 }
 
-Status CollectMutableTensors(Message* msg, std::vector<Tensor*>* out) {
+Status CollectMutableTensors(Message* msg, MutableTensorList* out) {
   // The walk only visits set fields, whose sub-messages are the objects
   // `msg` owns, so handing them out mutable is sound.
-  std::vector<const Tensor*> found;
+  TensorList found;
   RDMARPC_RETURN_IF_ERROR(CollectTensors(*msg, &found));
   out->clear();
   out->reserve(found.size());

@@ -6,24 +6,28 @@
 #ifndef RDMARPC_RUNTIME_TENSOR_WALK_H_
 #define RDMARPC_RUNTIME_TENSOR_WALK_H_
 
-#include <vector>
-
+#include "absl/container/inlined_vector.h"
 #include "google/protobuf/message.h"
 #include "rdmarpc/status.h"
 #include "rdmarpc/tensor.pb.h"
 
 namespace rdmarpc::internal {
 
+// Most messages hold a few tensors: their lists stay off the heap until
+// then (a walk runs several times per call).
+using TensorList = absl::InlinedVector<const Tensor*, 4>;
+using MutableTensorList = absl::InlinedVector<Tensor*, 4>;
+using TopFieldList = absl::InlinedVector<int, 4>;
+
 // INVALID_ARGUMENT if a map field holds tensors (map order is not stable
 // across peers) or the nesting is deeper than protobuf's parse limit.
-Status CollectTensors(const google::protobuf::Message& msg,
-                      std::vector<const Tensor*>* out);
+Status CollectTensors(const google::protobuf::Message& msg, TensorList* out);
 Status CollectMutableTensors(google::protobuf::Message* msg,
-                             std::vector<Tensor*>* out);
+                             MutableTensorList* out);
 // The number of the top-level field of `msg` that holds each tensor, in
 // walk order.
 Status CollectTensorTopFields(const google::protobuf::Message& msg,
-                              std::vector<int>* out);
+                              TopFieldList* out);
 
 }  // namespace rdmarpc::internal
 

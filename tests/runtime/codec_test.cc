@@ -26,7 +26,7 @@ Outer Sample() {
 
 TEST(TensorWalkTest, DepthFirstInFieldNumberOrder) {
   Outer o = Sample();
-  std::vector<const Tensor*> found;
+  TensorList found;
   ASSERT_TRUE(CollectTensors(o, &found).ok());
   std::vector<DType> order;
   for (const Tensor* t : found) order.push_back(t->dtype());
@@ -35,7 +35,7 @@ TEST(TensorWalkTest, DepthFirstInFieldNumberOrder) {
   // The receiver's walk over the parsed bytes sees the same order.
   Outer parsed;
   ASSERT_TRUE(parsed.ParseFromString(o.SerializeAsString()));
-  std::vector<Tensor*> again;
+  MutableTensorList again;
   ASSERT_TRUE(CollectMutableTensors(&parsed, &again).ok());
   ASSERT_EQ(again.size(), found.size());
   for (size_t i = 0; i < again.size(); ++i) {
@@ -52,16 +52,16 @@ TEST(TensorPlacementTest, FieldsPlacedApartOverrideTheDefault) {
   EXPECT_EQ(*devices, (std::vector<Device>{Device::Cuda(0), Device::Host(),
                                            Device::Host(), Device::Cuda(0),
                                            Device::Cuda(0), Device::Cuda(0)}));
-  std::vector<int> top;
+  TopFieldList top;
   ASSERT_TRUE(CollectTensorTopFields(o, &top).ok());
-  EXPECT_EQ(top, (std::vector<int>{1, 2, 2, 3, 3, 3}));
+  EXPECT_EQ(top, (TopFieldList{1, 2, 2, 3, 3, 3}));
   EXPECT_EQ(where.Devices().size(), 2u);
 }
 
 TEST(TensorWalkTest, MapsHoldingTensorsAreRefused) {
   Outer o;
   (*o.mutable_labels())["k"] = "v";  // a map without tensors is fine
-  std::vector<const Tensor*> found;
+  TensorList found;
   EXPECT_TRUE(CollectTensors(o, &found).ok());
   (*o.mutable_named())["x"].mutable_bias()->set_dtype(DTYPE_U8);
   Status s = CollectTensors(o, &found);
@@ -72,7 +72,7 @@ TEST(TensorWalkTest, MapsHoldingTensorsAreRefused) {
 TEST(TensorWalkTest, RecursiveMapWithoutTensorsIsFine) {
   rdmarpc_runtime_test::Node n;
   (*(*n.mutable_children())["a"].mutable_children())["b"].set_name("leaf");
-  std::vector<const Tensor*> found;
+  TensorList found;
   Status s = CollectTensors(n, &found);
   EXPECT_TRUE(s.ok()) << s;
   EXPECT_TRUE(found.empty());

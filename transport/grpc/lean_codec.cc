@@ -37,7 +37,7 @@ Status AcceptPlainRequest(grpc::ByteBuffer* bytes,
   }
   // A plain peer sends every tensor inline; AcceptIncoming checks each
   // against its dtype and shape.
-  std::vector<const Tensor*> fields;
+  internal::TensorList fields;
   RDMARPC_RETURN_IF_ERROR(internal::CollectTensors(*msg, &fields));
   std::vector<internal::IncomingPart> parts;
   parts.reserve(fields.size());

@@ -146,16 +146,16 @@ class RdmaCanceller final : public internal::CallCanceller {
 
 void ClientEndpoint::Start(internal::ClientCall call) {
   ClientContext* ctx = call.ctx;
-  RequestHead head;
-  head.set_call_id(call.call_id);
-  head.set_method(call.method);
+  ScratchHead<RequestHead> head;
+  head->set_call_id(call.call_id);
+  head->set_method(call.method);
   if (ctx->deadline()) {
     auto left = std::chrono::duration_cast<std::chrono::microseconds>(
         *ctx->deadline() - Clock::now());
-    head.set_timeout_us(std::max<int64_t>(1, left.count()));
+    head->set_timeout_us(std::max<int64_t>(1, left.count()));
   }
   for (const auto& [k, v] : ctx->metadata()) {
-    Metadata* m = head.add_metadata();
+    Metadata* m = head->add_metadata();
     m->set_key(k);
     m->set_value(v);
   }
@@ -171,12 +171,12 @@ void ClientEndpoint::Start(internal::ClientCall call) {
     conn = conn_;
     cache = cache_;
   }
-  size_t base = kPreambleBytes + head.ByteSizeLong();
+  size_t base = kPreambleBytes + head->ByteSizeLong();
   size_t room =
       conn->max_frame_bytes() > base ? conn->max_frame_bytes() - base : 0;
-  auto payload =
-      PlanPayload(*call.request, ctx->tensors(), room, inline_threshold_,
-                  {conn->pd(), gpu_mode_}, ctx->cuda_stream());
+  auto payload = PlanPayload(*call.request, ctx->tensors(), room,
+                             inline_threshold_, {conn->pd(), gpu_mode_},
+                             ctx->cuda_stream(), head->mutable_parts());
   if (!payload.ok()) {
     if (payload.status().code() != StatusCode::kInvalidArgument) {
       // Memory RDMA could not reach (pinned staging exhausted, a CUDA
@@ -191,10 +191,11 @@ void ClientEndpoint::Start(internal::ClientCall call) {
   // and it takes at most WireLimits::max_parts: gRPC carries a bigger call.
   Status fits = CheckGrantFits(payload->out_of_band.size(),
                                conn->receive_bytes(), "the request");
-  if (fits.ok() && payload->parts.size() > WireLimits{}.max_parts) {
+  if (fits.ok() &&
+      static_cast<size_t>(head->parts_size()) > WireLimits{}.max_parts) {
     fits = absl::ResourceExhaustedError(absl::StrCat(
-        "the request has ", payload->parts.size(),
-        " parts; RDMA takes at most ", WireLimits{}.max_parts, " per call"));
+        "the request has ", head->parts_size(), " parts; RDMA takes at most ",
+        WireLimits{}.max_parts, " per call"));
   }
   if (!fits.ok()) {
     return hooks_.reroute(std::move(call), std::string(fits.message()));
@@ -206,8 +207,6 @@ void ClientEndpoint::Start(internal::ClientCall call) {
                           absl::StrCat("RDMA ", sources.status().message()));
   }
   record->sources = *std::move(sources);
-  for (Part& p : payload->parts) *head.add_parts() = std::move(p);
-  payload->parts.clear();
   record->out = *std::move(payload);
   record->stage = record->sources.empty() ? ClientRecord::Stage::kAwaitResponse
                                           : ClientRecord::Stage::kAwaitGrant;
@@ -224,7 +223,8 @@ void ClientEndpoint::Start(internal::ClientCall call) {
   stats->gpu_rdma_mode = record->out.gpu_mode;
   stats->gpu_rdma_reason = record->out.gpu_reason;
   uint64_t call_id = call.call_id;
-  std::vector<std::span<const uint8_t>> inline_parts = record->out.inline_parts;
+  // calls_ owns the record from here; mu_ keeps it while the frame goes.
+  const ClientRecord* sending = record.get();
   record->call = std::move(call);
   if (!internal::ClientContextAccess::AttachCanceller(
           ctx, std::make_shared<RdmaCanceller>(shared_from_this(), call_id))) {
@@ -240,7 +240,8 @@ void ClientEndpoint::Start(internal::ClientCall call) {
     if (cancelled) {
       FinishLocked(call_id, absl::CancelledError("call cancelled"), &outcomes);
     } else {
-      Status sent = conn->SendFrame(FrameType::kRequest, &head, inline_parts);
+      Status sent = conn->SendFrame(FrameType::kRequest, &*head,
+                                    sending->out.inline_parts);
       if (!sent.ok()) {
         // Nothing reached the server: gRPC may carry it.
         FinishLocked(call_id, sent, &outcomes, Outcome::Next::kReroute);
@@ -455,7 +456,9 @@ Status ClientEndpoint::OnGrant(const FrameView& frame,
 
 Status ClientEndpoint::OnResponse(const FrameView& frame,
                                   std::vector<Outcome>* outcomes) {
-  RDMARPC_ASSIGN_OR_RETURN(ResponseHead head, ParseResponse(frame, limits_));
+  ScratchHead<ResponseHead> scratch;
+  RDMARPC_RETURN_IF_ERROR(ParseResponse(frame, limits_, &*scratch));
+  const ResponseHead& head = *scratch;
   std::lock_guard<std::mutex> lock(mu_);
   auto it = calls_.find(head.call_id());
   if (it == calls_.end()) {

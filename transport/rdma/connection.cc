@@ -50,7 +50,8 @@ Connection::Connection(ConnectionResources resources,
     : res_(std::move(resources)),
       config_(config),
       handler_(std::move(handler)),
-      window_(WindowOptions(config)) {
+      window_(WindowOptions(config)),
+      posted_(config.send_queue_slots) {
   for (uint32_t i = 0; i < config.peer_receives; ++i) {
     free_send_buffers_.push_back(static_cast<int>(i));
   }
@@ -78,10 +79,9 @@ Status Connection::SendFrame(
     FrameType type, const google::protobuf::MessageLite* head,
     std::span<const std::span<const uint8_t>> inline_parts,
     std::function<void(Status)> sent) {
-  PendingFrame frame;
-  frame.sent = std::move(sent);
   size_t inline_bytes = 0;
   for (const auto& p : inline_parts) inline_bytes += p.size();
+  // The only size computation: EncodeFrame serializes with cached sizes.
   size_t head_bytes = head == nullptr ? 0 : head->ByteSizeLong();
   size_t total = FrameBytes(head_bytes, inline_bytes);
   if (total > config_.peer_receive_bytes) {
@@ -89,21 +89,31 @@ Status Connection::SendFrame(
         absl::StrCat("frame of ", total, " bytes exceeds the peer's ",
                      config_.peer_receive_bytes, "-byte receive buffers"));
   }
-  frame.bytes.resize(total);
-  RDMARPC_ASSIGN_OR_RETURN(size_t written,
-                           EncodeFrame(type, 0, head, inline_parts,
-                                       std::span<uint8_t>(frame.bytes)));
-  frame.bytes.resize(written);
   Status pumped;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_.load()) return close_reason_;
-    if (!frames_.empty() || window_.peer_credits() <= 1 ||
-        window_.free_send_slots() == 0) {
+    if (frames_.empty() && res_.qp.get() != nullptr &&
+        window_.TryTakeForData()) {
+      // The common case: encoded straight into a registered send buffer.
+      uint8_t* dst = SendBuffer(free_send_buffers_.back());
+      RDMARPC_ASSIGN_OR_RETURN(
+          size_t written,
+          EncodeFrame(type, 0, head, inline_parts,
+                      std::span<uint8_t>(dst, config_.peer_receive_bytes)));
+      pumped = PostSendBufferLocked(written, std::move(sent), false);
+    } else {
       ++counters_.waits_for_credit;
+      PendingFrame frame;
+      frame.sent = std::move(sent);
+      frame.bytes.resize(total);
+      RDMARPC_ASSIGN_OR_RETURN(size_t written,
+                               EncodeFrame(type, 0, head, inline_parts,
+                                           std::span<uint8_t>(frame.bytes)));
+      frame.bytes.resize(written);
+      frames_.push_back(std::move(frame));
+      pumped = PumpLocked();
     }
-    frames_.push_back(std::move(frame));
-    pumped = PumpLocked();
   }
   if (!pumped.ok()) Close(pumped, "post error");
   return absl::OkStatus();
@@ -125,19 +135,30 @@ Status Connection::Write(const WriteRequest& request,
   return absl::OkStatus();
 }
 
+uint8_t* Connection::SendBuffer(int index) const {
+  return res_.send_buffers.get() +
+         size_t{static_cast<uint32_t>(index)} * config_.peer_receive_bytes;
+}
+
 Status Connection::PostFrameLocked(PendingFrame& frame, bool credit_only) {
+  std::memcpy(SendBuffer(free_send_buffers_.back()), frame.bytes.data(),
+              frame.bytes.size());
+  return PostSendBufferLocked(frame.bytes.size(), std::move(frame.sent),
+                              credit_only);
+}
+
+Status Connection::PostSendBufferLocked(size_t bytes,
+                                        std::function<void(Status)> sent,
+                                        bool credit_only) {
   int buffer = free_send_buffers_.back();
-  uint8_t* dst =
-      res_.send_buffers.get() +
-      size_t{static_cast<uint32_t>(buffer)} * config_.peer_receive_bytes;
-  std::memcpy(dst, frame.bytes.data(), frame.bytes.size());
+  uint8_t* dst = SendBuffer(buffer);
   // The credits field (preamble bytes 4..5) is filled at post time.
   uint32_t credits = std::min<uint32_t>(window_.TakeReturnable(), 0xffff);
   dst[4] = static_cast<uint8_t>(credits);
   dst[5] = static_cast<uint8_t>(credits >> 8);
   ibv_sge sge{};
   sge.addr = reinterpret_cast<uintptr_t>(dst);
-  sge.length = static_cast<uint32_t>(frame.bytes.size());
+  sge.length = static_cast<uint32_t>(bytes);
   sge.lkey = res_.send_mr->lkey;
   ibv_send_wr wr{};
   wr.wr_id = next_wr_id_++;
@@ -149,10 +170,35 @@ Status Connection::PostFrameLocked(PendingFrame& frame, bool credit_only) {
   int rc = ibv_post_send(res_.qp.get(), &wr, &bad);
   if (rc != 0) return VerbsError("ibv_post_send (frame)", rc);
   free_send_buffers_.pop_back();
-  posted_.emplace(wr.wr_id, Posted{buffer, std::move(frame.sent)});
+  RDMARPC_RETURN_IF_ERROR(TrackPostedLocked(wr.wr_id, buffer, std::move(sent)));
   ++counters_.frames_sent;
   if (credit_only) ++counters_.credit_frames_sent;
   return absl::OkStatus();
+}
+
+Status Connection::TrackPostedLocked(uint64_t wr_id, int send_buffer,
+                                     std::function<void(Status)> done) {
+  Posted& slot = posted_[wr_id % posted_.size()];
+  if (slot.wr_id != 0) {
+    // The window keeps at most send_queue_slots posted, and an RC send
+    // queue completes in order, so this cannot happen.
+    return absl::InternalError(absl::StrCat("send work request ", wr_id,
+                                            " would replace ", slot.wr_id,
+                                            ", still posted"));
+  }
+  slot = Posted{wr_id, send_buffer, std::move(done)};
+  ++posted_count_;
+  return absl::OkStatus();
+}
+
+Connection::Posted* Connection::FindPostedLocked(uint64_t wr_id) {
+  Posted& slot = posted_[wr_id % posted_.size()];
+  return slot.wr_id == wr_id ? &slot : nullptr;
+}
+
+void Connection::ForgetPostedLocked(Posted* posted) {
+  *posted = Posted{};
+  --posted_count_;
 }
 
 Status Connection::PostWritePieceLocked(PendingWrite& write, bool* finished) {
@@ -179,8 +225,8 @@ Status Connection::PostWritePieceLocked(PendingWrite& write, bool* finished) {
   write.offset += piece;
   ++counters_.writes_posted;
   *finished = last;
-  posted_.emplace(wr.wr_id, Posted{-1, last ? std::move(write.done) : nullptr});
-  return absl::OkStatus();
+  return TrackPostedLocked(wr.wr_id, -1,
+                           last ? std::move(write.done) : nullptr);
 }
 
 Status Connection::PumpLocked() {
@@ -214,7 +260,7 @@ Status Connection::PumpLocked() {
 bool Connection::Busy() const {
   if (calls_waiting.load(std::memory_order_relaxed) > 0) return true;
   std::lock_guard<std::mutex> lock(mu_);
-  return !posted_.empty();
+  return posted_count_ > 0;
 }
 
 Connection::Counters Connection::counters() const {
@@ -264,10 +310,9 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
       std::function<void(Status)> done;
       {
         std::lock_guard<std::mutex> lock(mu_);
-        auto it = posted_.find(wc.wr_id);
-        if (it != posted_.end()) {
-          done = std::move(it->second.done);
-          posted_.erase(it);
+        if (Posted* posted = FindPostedLocked(wc.wr_id)) {
+          done = std::move(posted->done);
+          ForgetPostedLocked(posted);
         }
       }
       if (done) done(CloseReason());
@@ -322,13 +367,13 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
   Status s;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = posted_.find(wc.wr_id);
-    if (it == posted_.end()) return;
-    if (it->second.send_buffer >= 0) {
-      free_send_buffers_.push_back(it->second.send_buffer);
+    Posted* posted = FindPostedLocked(wc.wr_id);
+    if (posted == nullptr) return;
+    if (posted->send_buffer >= 0) {
+      free_send_buffers_.push_back(posted->send_buffer);
     }
-    done = std::move(it->second.done);
-    posted_.erase(it);
+    done = std::move(posted->done);
+    ForgetPostedLocked(posted);
     s = window_.OnSendCompleted(1);
     if (s.ok() && !closed_.load()) s = PumpLocked();
   }
@@ -384,10 +429,11 @@ void Connection::FinishClose() {
     // Once the queue pair is gone the device no longer touches any memory
     // the pending work referenced, so the continuations may release it.
     res_.qp.Reset();
-    for (auto& [id, posted] : posted_) {
+    for (Posted& posted : posted_) {
       if (posted.done) pending.push_back(std::move(posted.done));
+      posted = Posted{};
     }
-    posted_.clear();
+    posted_count_ = 0;
     for (auto& w : writes_) {
       if (w.done) pending.push_back(std::move(w.done));
     }

@@ -33,7 +33,6 @@
 #include <optional>
 #include <span>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "google/protobuf/message_lite.h"
@@ -190,6 +189,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   };
   // What a posted send work request holds until its completion.
   struct Posted {
+    uint64_t wr_id = 0;    // 0: a free slot
     int send_buffer = -1;  // frames: the send buffer to free
     std::function<void(Status)> done;
   };
@@ -198,7 +198,18 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Posts what the window allows. Requires mu_; an error means the queue
   // pair is broken and the caller closes the connection.
   Status PumpLocked();
+  uint8_t* SendBuffer(int index) const;
+  // Copies a queued frame into the last free send buffer and posts it.
   Status PostFrameLocked(PendingFrame& frame, bool credit_only);
+  // Posts the first `bytes` of the last free send buffer (an encoded frame)
+  // with the credits to return. The caller took the window's slot.
+  Status PostSendBufferLocked(size_t bytes, std::function<void(Status)> sent,
+                              bool credit_only);
+  // posted_ by work request id: a ring as deep as the send queue.
+  Status TrackPostedLocked(uint64_t wr_id, int send_buffer,
+                           std::function<void(Status)> done);
+  Posted* FindPostedLocked(uint64_t wr_id);
+  void ForgetPostedLocked(Posted* posted);
   Status PostWritePieceLocked(PendingWrite& write, bool* finished);
   Status CloseReason() const;
   void HandleCompletion(const ibv_wc& wc);
@@ -218,7 +229,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::deque<PendingFrame> frames_;
   std::deque<PendingWrite> writes_;
   std::vector<int> free_send_buffers_;
-  std::unordered_map<uint64_t, Posted> posted_;
+  std::vector<Posted> posted_;  // see TrackPostedLocked
+  size_t posted_count_ = 0;
   uint64_t next_wr_id_ = 1;
   Status close_reason_;
   const char* close_trigger_ = "";

@@ -24,11 +24,10 @@ std::span<const uint8_t> Bytes(const void* data, size_t size) {
 
 }  // namespace
 
-StatusOr<OutgoingPayload> PlanPayload(const google::protobuf::Message& msg,
-                                      const CallTensors& tensors,
-                                      size_t frame_room,
-                                      uint64_t inline_threshold,
-                                      const GpuAccess& gpu, void* cuda_stream) {
+StatusOr<OutgoingPayload> PlanPayload(
+    const google::protobuf::Message& msg, const CallTensors& tensors,
+    size_t frame_room, uint64_t inline_threshold, const GpuAccess& gpu,
+    void* cuda_stream, google::protobuf::RepeatedPtrField<Part>* parts) {
   RDMARPC_ASSIGN_OR_RETURN(internal::OutgoingPlan plan,
                            internal::PlanOutgoing(msg, tensors));
   OutgoingPayload out;
@@ -41,20 +40,25 @@ StatusOr<OutgoingPayload> PlanPayload(const google::protobuf::Message& msg,
   out.tensor_bytes = plan.total_bytes;
   size_t head_reserve = (plan.tensors.size() + 1) * kPartHeadBytes;
   size_t room = frame_room > head_reserve ? frame_room - head_reserve : 0;
-  out.staged.reserve(plan.tensors.size());
+  // Spans point into the staged copies: no reallocation may move them.
+  size_t gpu_tensors = 0;
+  for (const internal::OutgoingTensor& t : plan.tensors) {
+    gpu_tensors += t.out_of_band && t.buffer.device().is_cuda();
+  }
+  out.staged.reserve(gpu_tensors);
+  parts->Reserve(static_cast<int>(plan.tensors.size() + 1));
   auto add = [&](PartSource source, bool may_inline, bool in_message) {
-    Part part;
-    part.set_size(source.size);
+    Part* part = parts->Add();
+    part->set_size(source.size);
     if (in_message) {
-      part.set_in_message(true);
+      part->set_in_message(true);
     } else if (may_inline && source.size <= room) {
       room -= source.size;
       out.inline_parts.push_back(Bytes(source.data, source.size));
     } else {
-      part.set_out_of_band(true);
+      part->set_out_of_band(true);
       out.out_of_band.push_back(source);
     }
-    out.parts.push_back(std::move(part));
   };
   // The producer's work on `cuda_stream`, recorded once for every GPU part.
   auto fence_for = [&](int index) -> Status {
@@ -414,7 +418,7 @@ StatusOr<internal::IncomingResult> FinishPayload(
     return absl::InvalidArgumentError(
         absl::StrCat("message does not parse as ", msg->GetTypeName()));
   }
-  std::vector<Tensor*> fields;
+  internal::MutableTensorList fields;
   RDMARPC_RETURN_IF_ERROR(internal::CollectMutableTensors(msg, &fields));
   if (fields.size() + 1 != in->parts.size()) {
     return absl::InvalidArgumentError(

@@ -4,8 +4,9 @@
 //
 // Sending:
 //   RDMARPC_ASSIGN_OR_RETURN(OutgoingPayload out,
-//                            PlanPayload(msg, tensors, room, threshold));
-//   head.parts = out.parts; frame carries out.inline_parts;
+//                            PlanPayload(msg, tensors, room, threshold, gpu,
+//                                        stream, head.mutable_parts()));
+//   the frame carries out.inline_parts;
 //   for each out.out_of_band[k]: write into the peer's region k.
 // Receiving:
 //   RDMARPC_ASSIGN_OR_RETURN(IncomingPayload in,
@@ -22,6 +23,7 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "google/protobuf/message.h"
 #include "google/protobuf/repeated_ptr_field.h"
 #include "rdmarpc/memory.h"
@@ -41,10 +43,9 @@ struct OutgoingPayload {
   // Part 0, the serialized message; on the heap so that the spans below
   // survive moving the payload.
   std::unique_ptr<std::string> message;
-  std::vector<Part> parts;
   // Bytes of the parts that travel in the frame, in part order. They point
   // into `message`, into bound buffers or into `staged`.
-  std::vector<std::span<const uint8_t>> inline_parts;
+  absl::InlinedVector<std::span<const uint8_t>, 4> inline_parts;
   // Parts that travel by RDMA WRITE, in part order.
   std::vector<PartSource> out_of_band;
   std::vector<TensorBuffer> keep;   // the bound buffers, alive until done
@@ -64,11 +65,12 @@ struct OutgoingPayload {
 // frame stays within `frame_room` bytes of parts, else out of band. A part
 // in GPU memory is read where it is (dma-buf, peer-memory) or copied to a
 // pinned staging buffer once the grant is in (staging), always after the
-// work queued on `cuda_stream` (a cudaStream_t) so far.
+// work queued on `cuda_stream` (a cudaStream_t) so far. The parts are
+// described in `parts` (the head's), in order.
 [[nodiscard]] StatusOr<OutgoingPayload> PlanPayload(
     const google::protobuf::Message& msg, const CallTensors& tensors,
     size_t frame_room, uint64_t inline_threshold, const GpuAccess& gpu,
-    void* cuda_stream);
+    void* cuda_stream, google::protobuf::RepeatedPtrField<Part>* parts);
 
 // Registrations for the out-of-band parts of `out`, in order, each by its
 // mover: host memory through `cache`, GPU memory in its direct mode (for

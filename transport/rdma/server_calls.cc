@@ -126,21 +126,21 @@ void ServerEndpoint::ForgetLocked(uint64_t call_id) {
 
 void ServerEndpoint::FailLocked(uint64_t call_id, const Status& status,
                                 bool not_executed) {
-  ResponseHead head;
-  head.set_call_id(call_id);
-  head.set_code(static_cast<int>(status.code()));
+  ScratchHead<ResponseHead> head;
+  head->set_call_id(call_id);
+  head->set_code(static_cast<int>(status.code()));
   std::string message(status.message());
   if (message.size() > limits_.max_status_message_bytes) {
     message.resize(limits_.max_status_message_bytes);
   }
-  head.set_message(message);
-  head.set_not_executed(not_executed);
+  head->set_message(message);
+  head->set_not_executed(not_executed);
   auto it = calls_.find(call_id);
   std::function<void(Status)> sent;
   if (it != calls_.end() && it->second->state && it->second->state->logged) {
     sent = SettleWhenSent(it->second->state, status, nullptr);
   }
-  if (!conn_->SendFrame(FrameType::kResponse, &head, {}, sent).ok() && sent) {
+  if (!conn_->SendFrame(FrameType::kResponse, &*head, {}, sent).ok() && sent) {
     sent(absl::UnavailableError("RDMA connection closed"));
   }
   ForgetLocked(call_id);
@@ -183,7 +183,9 @@ void ServerEndpoint::ExecuteReady() {
 }
 
 Status ServerEndpoint::AdmitRequest(const FrameView& frame) {
-  RDMARPC_ASSIGN_OR_RETURN(RequestHead head, ParseRequest(frame, limits_));
+  ScratchHead<RequestHead> scratch;
+  RDMARPC_RETURN_IF_ERROR(ParseRequest(frame, limits_, &*scratch));
+  const RequestHead& head = *scratch;
   std::lock_guard<std::mutex> lock(mu_);
   if (closed_) return absl::OkStatus();
   uint64_t call_id = head.call_id();
@@ -394,13 +396,14 @@ void ServerEndpoint::Respond(
   if (r.state->cancelled.load()) {
     return FailLocked(call_id, absl::CancelledError("call cancelled"));
   }
-  ResponseHead head;
-  head.set_call_id(call_id);
-  size_t base = kPreambleBytes + head.ByteSizeLong();
+  ScratchHead<ResponseHead> head;
+  head->set_call_id(call_id);
+  size_t base = kPreambleBytes + head->ByteSizeLong();
   size_t room =
       conn_->max_frame_bytes() > base ? conn_->max_frame_bytes() - base : 0;
   auto out = PlanPayload(*response, r.state->tensors, room, inline_threshold_,
-                         {conn_->pd(), gpu_mode_}, r.state->cuda_stream);
+                         {conn_->pd(), gpu_mode_}, r.state->cuda_stream,
+                         head->mutable_parts());
   if (!out.ok()) {
     return FailLocked(
         call_id, absl::InternalError(
@@ -414,8 +417,6 @@ void ServerEndpoint::Respond(
   auto sources = RegisterSources(*out, cache_.get(), conn_->pd());
   if (!sources.ok()) return FailLocked(call_id, sources.status());
   r.sources = *std::move(sources);
-  for (Part& p : out->parts) *head.add_parts() = std::move(p);
-  out->parts.clear();
   r.out = *std::move(out);
   std::function<void(Status)> sent;
   if (r.sources.empty()) {
@@ -445,7 +446,7 @@ void ServerEndpoint::Respond(
     return;
   }
   Status queued =
-      conn_->SendFrame(FrameType::kResponse, &head, r.out.inline_parts, sent);
+      conn_->SendFrame(FrameType::kResponse, &*head, r.out.inline_parts, sent);
   if (!queued.ok()) {
     if (sent) {
       sent(queued);

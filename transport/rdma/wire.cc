@@ -46,17 +46,23 @@ const char* TypeName(FrameType t) {
 }
 
 template <typename Head>
-StatusOr<Head> ParseHead(const FrameView& frame, FrameType expected) {
+Status ParseHeadInto(const FrameView& frame, FrameType expected, Head* head) {
   if (frame.type != expected) {
     return Malformed(absl::StrCat("expected a ", TypeName(expected),
                                   " frame, got a ", TypeName(frame.type)));
   }
-  Head head;
-  if (!head.ParseFromArray(frame.head.data(),
-                           static_cast<int>(frame.head.size()))) {
+  if (!head->ParseFromArray(frame.head.data(),
+                            static_cast<int>(frame.head.size()))) {
     return Malformed(
         absl::StrCat("the ", TypeName(expected), " head does not parse"));
   }
+  return absl::OkStatus();
+}
+
+template <typename Head>
+StatusOr<Head> ParseHead(const FrameView& frame, FrameType expected) {
+  Head head;
+  RDMARPC_RETURN_IF_ERROR(ParseHeadInto(frame, expected, &head));
   return head;
 }
 
@@ -174,10 +180,10 @@ StatusOr<FrameView> DecodeFrame(std::string_view bytes) {
   return view;
 }
 
-StatusOr<RequestHead> ParseRequest(const FrameView& frame,
-                                   const WireLimits& limits) {
-  RDMARPC_ASSIGN_OR_RETURN(RequestHead head,
-                           ParseHead<RequestHead>(frame, FrameType::kRequest));
+Status ParseRequest(const FrameView& frame, const WireLimits& limits,
+                    RequestHead* out) {
+  RDMARPC_RETURN_IF_ERROR(ParseHeadInto(frame, FrameType::kRequest, out));
+  const RequestHead& head = *out;
   if (head.call_id() == 0) return Malformed("request without a call id");
   if (head.method().empty() || head.method().size() > limits.max_method_bytes) {
     return Malformed(absl::StrCat("method name of ", head.method().size(),
@@ -200,13 +206,13 @@ StatusOr<RequestHead> ParseRequest(const FrameView& frame,
                                   limits.max_metadata_bytes));
   }
   RDMARPC_RETURN_IF_ERROR(CheckParts(head.parts(), frame, limits));
-  return head;
+  return absl::OkStatus();
 }
 
-StatusOr<ResponseHead> ParseResponse(const FrameView& frame,
-                                     const WireLimits& limits) {
-  RDMARPC_ASSIGN_OR_RETURN(
-      ResponseHead head, ParseHead<ResponseHead>(frame, FrameType::kResponse));
+Status ParseResponse(const FrameView& frame, const WireLimits& limits,
+                     ResponseHead* out) {
+  RDMARPC_RETURN_IF_ERROR(ParseHeadInto(frame, FrameType::kResponse, out));
+  const ResponseHead& head = *out;
   if (head.call_id() == 0) return Malformed("response without a call id");
   if (head.code() < 0 || head.code() > 16) {
     return Malformed(absl::StrCat("status code ", head.code()));
@@ -220,10 +226,10 @@ StatusOr<ResponseHead> ParseResponse(const FrameView& frame,
     if (!head.parts().empty() || !frame.inline_bytes.empty()) {
       return Malformed("an error response with a payload");
     }
-    return head;
+    return absl::OkStatus();
   }
   RDMARPC_RETURN_IF_ERROR(CheckParts(head.parts(), frame, limits));
-  return head;
+  return absl::OkStatus();
 }
 
 StatusOr<Grant> ParseGrant(const FrameView& frame, size_t expected_regions) {

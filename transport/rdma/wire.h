@@ -17,7 +17,8 @@
 //                                                  &head, inline_parts, buf));
 //   ...
 //   RDMARPC_ASSIGN_OR_RETURN(FrameView frame, DecodeFrame(received));
-//   RDMARPC_ASSIGN_OR_RETURN(RequestHead req, ParseRequest(frame, limits));
+//   ScratchHead<RequestHead> req;
+//   RDMARPC_RETURN_IF_ERROR(ParseRequest(frame, limits, &*req));
 //
 // Ownership: FrameView points into the bytes given to DecodeFrame, which
 // must stay valid while it is used (a receive buffer until it is re-posted).
@@ -26,6 +27,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string_view>
 
@@ -38,6 +40,52 @@ namespace rdmarpc::rdma {
 inline constexpr uint16_t kWireMagic = 0x5252;
 inline constexpr uint8_t kWireVersion = 1;
 inline constexpr size_t kPreambleBytes = 16;
+
+// A head message that one thread reuses call after call: a cleared
+// protobuf message keeps its strings and repeated elements, so building or
+// parsing the next head allocates nothing. A nested use on the same thread
+// (an inline callback that starts a call) gets a message of its own. What
+// the thread's message holds stays bounded by the wire limits.
+//
+//   ScratchHead<RequestHead> head;  // cleared
+//   head->set_call_id(id);
+//   conn->SendFrame(FrameType::kRequest, &*head, parts);
+template <typename Head>
+class ScratchHead {
+ public:
+  ScratchHead() {
+    Slot& slot = ThreadSlot();
+    if (slot.in_use) {
+      fallback_ = std::make_unique<Head>();
+      head_ = fallback_.get();
+      return;
+    }
+    slot.in_use = true;
+    slot.head.Clear();
+    head_ = &slot.head;
+  }
+  ~ScratchHead() {
+    if (fallback_ == nullptr) ThreadSlot().in_use = false;
+  }
+  ScratchHead(const ScratchHead&) = delete;
+  ScratchHead& operator=(const ScratchHead&) = delete;
+
+  Head& operator*() const { return *head_; }
+  Head* operator->() const { return head_; }
+
+ private:
+  struct Slot {
+    Head head;
+    bool in_use = false;
+  };
+  static Slot& ThreadSlot() {
+    thread_local Slot slot;
+    return slot;
+  }
+
+  Head* head_;
+  std::unique_ptr<Head> fallback_;
+};
 
 enum class FrameType : uint8_t {
   kRequest = 1,   // RequestHead
@@ -85,10 +133,12 @@ constexpr size_t FrameBytes(size_t head_bytes, size_t inline_bytes) {
 // Parse a head and check it against `limits`. For requests and responses:
 // part 0 (the message) exists, and the inline parts' sizes add up to the
 // frame's inline bytes.
-[[nodiscard]] StatusOr<RequestHead> ParseRequest(const FrameView& frame,
-                                                 const WireLimits& limits);
-[[nodiscard]] StatusOr<ResponseHead> ParseResponse(const FrameView& frame,
-                                                   const WireLimits& limits);
+// They parse into `head` (a ScratchHead's, on the datapath).
+[[nodiscard]] Status ParseRequest(const FrameView& frame,
+                                  const WireLimits& limits, RequestHead* head);
+[[nodiscard]] Status ParseResponse(const FrameView& frame,
+                                   const WireLimits& limits,
+                                   ResponseHead* head);
 // A grant must have `expected_regions` regions (the out-of-band parts the
 // granter was told about) with non-zero lengths.
 [[nodiscard]] StatusOr<Grant> ParseGrant(const FrameView& frame,

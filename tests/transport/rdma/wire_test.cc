@@ -53,12 +53,42 @@ TEST(WireTest, RequestRoundTripsWithInlineParts) {
   EXPECT_EQ(frame->type, FrameType::kRequest);
   EXPECT_EQ(frame->credits, 7);
   EXPECT_EQ(frame->inline_bytes, "msgabcde");
-  auto parsed = ParseRequest(*frame, {});
-  ASSERT_TRUE(parsed.ok()) << parsed.status();
-  EXPECT_EQ(parsed->call_id(), 42u);
-  EXPECT_EQ(parsed->method(), "/pkg.Svc/Run");
-  EXPECT_EQ(parsed->parts_size(), 3);
-  EXPECT_EQ(parsed->metadata(0).value(), "v");
+  RequestHead parsed;
+  Status s = ParseRequest(*frame, {}, &parsed);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(parsed.call_id(), 42u);
+  EXPECT_EQ(parsed.method(), "/pkg.Svc/Run");
+  EXPECT_EQ(parsed.parts_size(), 3);
+  EXPECT_EQ(parsed.metadata(0).value(), "v");
+}
+
+// The datapath parses into one message per thread: a parse must leave
+// nothing of the previous head behind, and a nested use gets its own.
+TEST(WireTest, ScratchHeadsStartEmptyAndNestedOnesAreSeparate) {
+  RequestHead first = Request({{false, 3}});
+  first.set_timeout_us(500);
+  std::string bytes = Encode(FrameType::kRequest, 0, &first, {"abc"});
+  RequestHead* reused = nullptr;
+  {
+    ScratchHead<RequestHead> head;
+    ASSERT_TRUE(ParseRequest(*DecodeFrame(bytes), {}, &*head).ok());
+    EXPECT_EQ(head->timeout_us(), 500);
+    reused = &*head;
+    ScratchHead<RequestHead> nested;
+    EXPECT_NE(&*nested, reused);
+    EXPECT_EQ(nested->call_id(), 0u);
+  }
+  RequestHead second = Request({{false, 0}});
+  second.clear_metadata();
+  second.set_timeout_us(0);
+  bytes = Encode(FrameType::kRequest, 0, &second);
+  ScratchHead<RequestHead> head;
+  EXPECT_EQ(&*head, reused);
+  EXPECT_EQ(head->parts_size(), 0);  // cleared on the way in
+  ASSERT_TRUE(ParseRequest(*DecodeFrame(bytes), {}, &*head).ok());
+  EXPECT_EQ(head->timeout_us(), 0);
+  EXPECT_EQ(head->metadata_size(), 0);
+  EXPECT_EQ(head->parts_size(), 1);
 }
 
 TEST(WireTest, OtherFramesRoundTrip) {
@@ -68,7 +98,9 @@ TEST(WireTest, OtherFramesRoundTrip) {
   std::string r_bytes = Encode(FrameType::kResponse, 0, &response, {"hi"});
   auto r = DecodeFrame(r_bytes);
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_TRUE(ParseResponse(*r, {}).ok());
+  ResponseHead parsed_response;
+  EXPECT_TRUE(ParseResponse(*r, {}, &parsed_response).ok());
+  EXPECT_EQ(parsed_response.call_id(), 9u);
 
   Grant grant;
   grant.set_call_id(9);
@@ -163,7 +195,8 @@ TEST(WireTest, RequestHeadErrors) {
     std::string bytes = Encode(FrameType::kRequest, 0, &head, inl);
     auto frame = DecodeFrame(bytes);
     EXPECT_TRUE(frame.ok());
-    return ParseRequest(*frame, {}).status();
+    RequestHead parsed;
+    return ParseRequest(*frame, {}, &parsed);
   };
   RequestHead head = Request({});
   ExpectMalformed(parse(head), "message part is missing");
@@ -192,7 +225,8 @@ TEST(WireTest, RequestHeadErrors) {
   ExpectMalformed(ParseGrant(*DecodeFrame(bytes), 0).status(),
                   "expected a grant frame, got a request");
   bytes[16] = '\xff';  // the head no longer parses
-  ExpectMalformed(ParseRequest(*DecodeFrame(bytes), {}).status(),
+  RequestHead parsed;
+  ExpectMalformed(ParseRequest(*DecodeFrame(bytes), {}, &parsed),
                   "does not parse");
 }
 
@@ -204,18 +238,19 @@ TEST(WireTest, ResponseAndGrantErrors) {
   // FrameView points into the encoded bytes: keep them alive.
   std::string bytes = Encode(FrameType::kResponse, 0, &error);
   auto frame = DecodeFrame(bytes);
-  EXPECT_TRUE(ParseResponse(*frame, {}).ok());
+  ResponseHead parsed;
+  EXPECT_TRUE(ParseResponse(*frame, {}, &parsed).ok());
   error.add_parts()->set_size(0);
   bytes = Encode(FrameType::kResponse, 0, &error);
   frame = DecodeFrame(bytes);
-  ExpectMalformed(ParseResponse(*frame, {}).status(),
+  ExpectMalformed(ParseResponse(*frame, {}, &parsed),
                   "error response with a payload");
   ResponseHead bad_code;
   bad_code.set_call_id(3);
   bad_code.set_code(99);
   bytes = Encode(FrameType::kResponse, 0, &bad_code);
   frame = DecodeFrame(bytes);
-  ExpectMalformed(ParseResponse(*frame, {}).status(), "status code 99");
+  ExpectMalformed(ParseResponse(*frame, {}, &parsed), "status code 99");
 
   Grant grant;
   grant.set_call_id(1);
