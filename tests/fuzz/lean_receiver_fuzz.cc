@@ -42,7 +42,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (len > size - pos) len = size - pos;
     std::string bytes(reinterpret_cast<const char*>(data + pos), len);
     pos += len;
-    if (!receiver.OnMessage(ToBuffer(bytes)).ok()) return 0;
+    grpc::ByteBuffer message = ToBuffer(bytes);
+    if (!receiver.OnMessage(&message).ok()) return 0;
   }
   (void)receiver.OnEnd();
   return 0;

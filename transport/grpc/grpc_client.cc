@@ -108,7 +108,7 @@ class LeanCall {
 
   // Takes read_buf_: whether another read is wanted.
   bool OnRead() {
-    Status s = receiver_.OnMessage(read_buf_);
+    Status s = receiver_.OnMessage(&read_buf_);
     if (!s.ok()) {
       FailLocally(std::move(s));
       return false;

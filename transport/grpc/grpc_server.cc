@@ -78,7 +78,7 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
   void OnReadDone(bool ok) override {
     if (lean_) {
       if (ok) {
-        Status s = receiver_->OnMessage(read_buf_);
+        Status s = receiver_->OnMessage(&read_buf_);
         if (!s.ok()) return FinishOnce(s);
         // A complete request runs now: waiting for the client's end of
         // stream would cost one more read and its callback on every call.
@@ -279,7 +279,7 @@ class InternalCallReactor final : public grpc::ServerGenericBidiReactor {
     StatusOr<std::string> response = (*method_)(gctx_->peer(), request);
     if (!response.ok()) return Finish(ToGrpc(response.status()));
     grpc::Slice slice(*response);
-    write_buf_ = grpc::ByteBuffer(&slice, 1);
+    grpc::ByteBuffer(&slice, 1).Swap(&write_buf_);
     StartWriteAndFinish(&write_buf_, grpc::WriteOptions(), grpc::Status::OK);
   }
 

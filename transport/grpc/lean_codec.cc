@@ -4,6 +4,7 @@
 #include <grpcpp/support/slice.h>
 
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -126,14 +127,16 @@ bool LeanSender::Done() const {
 StatusOr<bool> LeanSender::Next(grpc::ByteBuffer* out, bool* last) {
   if (Done()) return false;
   if (!head_sent_) {
-    std::string bytes;
-    if (!head_.SerializeToString(&bytes)) {
+    size_t bytes = head_.ByteSizeLong();
+    if (bytes > static_cast<size_t>(std::numeric_limits<int>::max())) {
       return absl::InvalidArgumentError(
           "message is too large to serialize (protobuf's 2 GiB limit applies "
           "to the non-tensor fields)");
     }
-    grpc::Slice slice(std::move(bytes));
-    *out = grpc::ByteBuffer(&slice, 1);
+    // Serialized straight into the slice gRPC sends (a small one is inline).
+    grpc::Slice slice(bytes);
+    head_.SerializeWithCachedSizesToArray(const_cast<uint8_t*>(slice.begin()));
+    grpc::ByteBuffer(&slice, 1).Swap(out);
     head_sent_ = true;
     *last = Done();
     return true;
@@ -151,25 +154,25 @@ StatusOr<bool> LeanSender::Next(grpc::ByteBuffer* out, bool* last) {
     chunk = std::move(staged);
   }
   grpc::Slice slice = ReferenceSlice(std::move(chunk), keep_);
-  *out = grpc::ByteBuffer(&slice, 1);
+  grpc::ByteBuffer(&slice, 1).Swap(out);
   offset_ += n;
   SkipEmpty();
   *last = Done();
   return true;
 }
 
-Status LeanReceiver::OnMessage(const grpc::ByteBuffer& message) {
-  return head_seen_ ? OnChunk(message) : OnHead(message);
+Status LeanReceiver::OnMessage(grpc::ByteBuffer* message) {
+  return head_seen_ ? OnChunk(*message) : OnHead(message);
 }
 
-Status LeanReceiver::OnHead(const grpc::ByteBuffer& message) {
+Status LeanReceiver::OnHead(grpc::ByteBuffer* message) {
   head_seen_ = true;
   LeanHead head;
-  grpc::ByteBuffer copy(message);  // the reader consumes its buffer
-  grpc::ProtoBufferReader reader(&copy);
+  size_t length = message->Length();
+  grpc::ProtoBufferReader reader(message);
   if (!head.ParseFromZeroCopyStream(&reader)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("lean framing: the first message (", message.Length(),
+        absl::StrCat("lean framing: the first message (", length,
                      " bytes) is not a valid LeanHead"));
   }
   if (head.version() != kLeanVersion) {

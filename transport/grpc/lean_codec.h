@@ -99,9 +99,10 @@ class LeanReceiver {
 
   explicit LeanReceiver(HeadHandler on_head) : on_head_(std::move(on_head)) {}
 
-  // Feeds one received message. INVALID_ARGUMENT for a malformed head or
-  // more bytes than announced; errors from the head handler pass through.
-  Status OnMessage(const grpc::ByteBuffer& message);
+  // Feeds one received message, which it may consume (the head is parsed
+  // out of it). INVALID_ARGUMENT for a malformed head or more bytes than
+  // announced; errors from the head handler pass through.
+  Status OnMessage(grpc::ByteBuffer* message);
   // The peer finished sending: INVALID_ARGUMENT unless the head and every
   // announced byte arrived.
   Status OnEnd() const;
@@ -112,7 +113,7 @@ class LeanReceiver {
   uint64_t cpu_copied_bytes() const { return copied_; }
 
  private:
-  Status OnHead(const grpc::ByteBuffer& message);
+  Status OnHead(grpc::ByteBuffer* message);
   Status OnChunk(const grpc::ByteBuffer& message);
 
   HeadHandler on_head_;
