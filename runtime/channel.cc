@@ -106,14 +106,16 @@ class CallWaiter {
   }
 
   // `spin_from`: the SpinClock time the call was posted over RDMA, or 0
-  // when it went over gRPC (nothing to spin for).
-  Status Wait(uint64_t spin_from) {
+  // when it went over gRPC (nothing to spin for). `poll`, if set, is the
+  // queue the call completes on: polled while spinning, so the completion
+  // runs here.
+  Status Wait(uint64_t spin_from, internal::CallerPoll* poll) {
     if (spin_from != 0) {
       const internal::SpinClock& clock = internal::SpinClock::Get();
       const uint64_t until = spin_from + internal::SpinTicks();
       while (state_.load(std::memory_order_acquire) != kDone &&
              clock.Now() < until) {
-        internal::CpuRelax();
+        if (poll == nullptr || !poll->PollForCaller()) internal::CpuRelax();
       }
     }
     {
@@ -163,7 +165,8 @@ Status Channel::Call(std::string_view method, ClientContext* ctx,
       method, ctx, request, response,
       [waiter](Status s) { waiter->Complete(std::move(s)); },
       /*done_runs_inline=*/true, /*caller_drives=*/true);
-  return waiter->Wait(took == TransportKind::kRdma ? posted : 0);
+  std::shared_ptr<internal::CallerPoll> poll = internal::TakeCallerPoll();
+  return waiter->Wait(took == TransportKind::kRdma ? posted : 0, poll.get());
 }
 
 std::future<Status> Channel::CallFuture(

@@ -58,7 +58,8 @@ std::string ChannelTransportStats::ToString() const {
                   rdma_frames_received, ", writes: ", rdma_writes_posted,
                   ", credit frames: ", rdma_credit_frames_sent,
                   ", waits for credit: ", rdma_waits_for_credit,
-                  ", watcher wake-ups: ", rdma_watch_wakeups, "\n");
+                  ", watcher wake-ups: ", rdma_watch_wakeups,
+                  ", found by waiting callers: ", rdma_caller_polls, "\n");
   return out;
 }
 

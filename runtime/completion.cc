@@ -14,10 +14,21 @@ void RunOnCallbackThread(std::function<void()> task) {
 
 namespace {
 thread_local bool completion_thread = false;
+thread_local std::shared_ptr<CallerPoll> offered_poll;
 }  // namespace
 
 void MarkCompletionThread() { completion_thread = true; }
 bool OnCompletionThread() { return completion_thread; }
+
+CompletionThreadScope::CompletionThreadScope() : was_(completion_thread) {
+  completion_thread = true;
+}
+CompletionThreadScope::~CompletionThreadScope() { completion_thread = was_; }
+
+void OfferCallerPoll(std::shared_ptr<CallerPoll> poll) {
+  offered_poll = std::move(poll);
+}
+std::shared_ptr<CallerPoll> TakeCallerPoll() { return std::move(offered_poll); }
 
 void DeferredCompletion::Arm(std::function<void(Status)> done, Status status) {
   done_ = std::move(done);

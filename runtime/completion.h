@@ -9,6 +9,7 @@
 #define RDMARPC_RUNTIME_COMPLETION_H_
 
 #include <functional>
+#include <memory>
 #include <thread>
 
 #include "rdmarpc/status.h"
@@ -38,6 +39,32 @@ void RunOnCallbackThread(std::function<void()> task);
 // completion engine): a blocking call made on it would wait for itself.
 void MarkCompletionThread();
 bool OnCompletionThread();
+// Marks the calling thread so while it polls for its own call.
+class CompletionThreadScope {
+ public:
+  CompletionThreadScope();
+  ~CompletionThreadScope();
+  CompletionThreadScope(const CompletionThreadScope&) = delete;
+  CompletionThreadScope& operator=(const CompletionThreadScope&) = delete;
+
+ private:
+  bool was_;
+};
+
+// A completion queue that the thread waiting for its own call may poll
+// while it spins (Channel::Call): the call then completes on that thread,
+// with no hand-off from the engine. The transport that carries a
+// caller-driven call offers the queue on the calling thread; the waiter
+// takes it.
+class CallerPoll {
+ public:
+  virtual ~CallerPoll() = default;
+  // Handles what completed, unless another thread is at it; true if it
+  // found anything.
+  virtual bool PollForCaller() = 0;
+};
+void OfferCallerPoll(std::shared_ptr<CallerPoll> poll);
+std::shared_ptr<CallerPoll> TakeCallerPoll();
 
 }  // namespace rdmarpc::internal
 

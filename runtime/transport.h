@@ -50,8 +50,10 @@ struct ClientCall {
   // engine, instead of handing it to the callback thread.
   bool done_runs_inline = false;
   // The thread that calls Start waits for `done` right after (Channel::Call):
-  // a transport may drive the whole call on it and return once done ran.
-  // Only the router's first hand-off keeps it; a re-send never blocks.
+  // a transport may drive the whole call on it and return once done ran
+  // (gRPC), or offer it the queue to poll while it waits (RDMA,
+  // OfferCallerPoll). Only the router's first hand-off keeps it; a re-send
+  // never blocks.
   bool caller_drives = false;
 };
 
@@ -85,6 +87,8 @@ struct FastPathCounters {
   uint64_t waits_for_credit = 0;
   // Times the channel's RDMA watcher (deadlines, progress) woke up.
   uint64_t watch_wakeups = 0;
+  // Times a blocked caller found completions polling the queue itself.
+  uint64_t caller_polls = 0;
 };
 
 // A transport connected at run time that may be lost (RDMA).

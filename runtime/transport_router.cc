@@ -189,6 +189,7 @@ ChannelTransportStats TransportRouter::stats() {
     stats.rdma_credit_frames_sent = c.credit_frames_sent;
     stats.rdma_waits_for_credit = c.waits_for_credit;
     stats.rdma_watch_wakeups = c.watch_wakeups;
+    stats.rdma_caller_polls = c.caller_polls;
   }
   return stats;
 }
@@ -271,6 +272,7 @@ TransportKind TransportRouter::Route(ClientCall call) {
   ++calls_fast_;
   ClientContextAccess::mutable_stats(call.ctx)->transport =
       TransportKind::kRdma;
+  call.caller_drives = caller_drives;
   fast->Start(std::move(call));
   return TransportKind::kRdma;
 }

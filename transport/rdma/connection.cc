@@ -9,6 +9,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/coarse_clock.h"
+#include "runtime/completion.h"
+#include "runtime/spin.h"
 #include "transport/rdma/engine.h"
 
 namespace rdmarpc::rdma {
@@ -268,8 +270,28 @@ Connection::Counters Connection::counters() const {
   return counters_;
 }
 
-bool Connection::Poll() {
-  if (finished_) return false;
+Connection::PollResult Connection::TryPoll() {
+  if (polling_.exchange(true, std::memory_order_acquire)) {
+    return PollResult::kBusy;
+  }
+  bool found = !finished_.load(std::memory_order_relaxed) && PollHeld();
+  polling_.store(false, std::memory_order_release);
+  return found ? PollResult::kFound : PollResult::kIdle;
+}
+
+bool Connection::PollForCaller() {
+  // What completes here runs on the waiting thread, which must not block
+  // for a call of its own meanwhile (an inline callback that tried would
+  // wait for itself): it counts as a completion thread while it polls.
+  internal::CompletionThreadScope scope;
+  PollResult r = TryPoll();
+  if (r == PollResult::kFound) {
+    caller_polls_found_.fetch_add(1, std::memory_order_relaxed);
+  }
+  return r == PollResult::kFound;
+}
+
+bool Connection::PollHeld() {
   ibv_wc wcs[32];
   int n = ibv_poll_cq(res_.cq.get(), 32, wcs);
   if (n < 0) {
@@ -281,7 +303,9 @@ bool Connection::Poll() {
 }
 
 void Connection::Arm() {
-  if (!finished_) ibv_req_notify_cq(res_.cq.get(), 0);
+  if (!finished_.load(std::memory_order_relaxed)) {
+    ibv_req_notify_cq(res_.cq.get(), 0);
+  }
 }
 
 void Connection::ConsumeEvents() {
@@ -416,12 +440,17 @@ Status Connection::InjectQueuePairError() {
 }
 
 void Connection::FinishClose() {
-  if (finished_) return;
+  if (finished_.load(std::memory_order_relaxed)) return;
+  // A waiting caller may be polling: take the queue from it for good.
+  while (polling_.exchange(true, std::memory_order_acquire)) {
+    internal::CpuRelax();
+  }
   // What completed before the close still counts: a response that arrived
   // must not be re-sent by the client or reported lost by the server.
-  for (int rounds = 0; rounds < 64 && Poll(); ++rounds) {
+  for (int rounds = 0; rounds < 64 && PollHeld(); ++rounds) {
   }
-  finished_ = true;
+  finished_.store(true, std::memory_order_relaxed);
+  polling_.store(false, std::memory_order_release);
   std::vector<std::function<void(Status)>> pending;
   Status why = CloseReason();
   {

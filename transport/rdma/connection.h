@@ -16,8 +16,10 @@
 //               [](Status s) { /* bytes left our memory, or failed */ });
 //
 // Threads: SendFrame, Write and Close may be called from any thread. The
-// Handler's methods and every Write continuation run on the engine thread,
-// never with the connection's lock held, so they may call back in.
+// Handler's methods and every Write continuation run on the thread that
+// polls the completion queue, one at a time: the engine, or a caller
+// waiting for its own call (Channel::Call through PollForCaller). They run
+// without the connection's lock held, so they may call back in.
 // Setup (connection_setup.cc) builds the verbs objects; this file only moves
 // bytes.
 #ifndef RDMARPC_TRANSPORT_RDMA_CONNECTION_H_
@@ -37,6 +39,7 @@
 
 #include "google/protobuf/message_lite.h"
 #include "rdmarpc/status.h"
+#include "runtime/completion.h"
 #include "runtime/transport.h"
 #include "transport/rdma/flow_control.h"
 #include "transport/rdma/verbs.h"
@@ -71,7 +74,8 @@ struct ConnectionResources {
   CmQueuePair qp;
 };
 
-class Connection : public std::enable_shared_from_this<Connection> {
+class Connection : public std::enable_shared_from_this<Connection>,
+                   public internal::CallerPoll {
  public:
   class Handler {
    public:
@@ -108,7 +112,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   // Queues a frame (its bytes are copied now). UNAVAILABLE once the
   // connection is closed; RESOURCE_EXHAUSTED if it does not fit the peer's
-  // receive buffers. `sent`, if given, runs once on the engine thread: OK
+  // receive buffers. `sent`, if given, runs once on the polling thread: OK
   // when the frame reached the peer's receive (RC acknowledged), else the
   // error that closed the connection; never when this returns an error.
   [[nodiscard]] Status SendFrame(
@@ -116,7 +120,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
       std::span<const std::span<const uint8_t>> inline_parts = {},
       std::function<void(Status)> sent = nullptr);
 
-  // Queues a write. `done` runs once on the engine thread when every piece
+  // Queues a write. `done` runs once on the polling thread when every piece
   // completed (OK) or the connection failed (the error); the memory at
   // `local` is borrowed until then. Returns an error (and never runs
   // `done`) when the connection is already closed.
@@ -163,10 +167,19 @@ class Connection : public std::enable_shared_from_this<Connection> {
   using Counters = internal::FastPathCounters;
   Counters counters() const;
 
+  // Polls the CQ and handles what it finds, unless another thread is at it
+  // (kBusy). Any thread: the engine, or a caller waiting for its own call.
+  enum class PollResult { kIdle, kFound, kBusy };
+  PollResult TryPoll();
+  // internal::CallerPoll: TryPoll on the thread that waits for its call.
+  bool PollForCaller() override;
+  // Times PollForCaller found completions (for tests and stats).
+  uint64_t caller_polls_found() const {
+    return caller_polls_found_.load(std::memory_order_relaxed);
+  }
+
   // Engine use (engine thread only).
   int completion_fd() const { return res_.completions->fd; }
-  // Polls the CQ and handles what it finds; true if it found anything.
-  bool Poll();
   // Requests a completion event for the next completion.
   void Arm();
   // Reads and acknowledges pending completion events.
@@ -194,6 +207,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
     std::function<void(Status)> done;
   };
 
+  // Polls with polling_ held; true if it found anything.
+  bool PollHeld();
   Status PostReceive(uint32_t index);
   // Posts what the window allows. Requires mu_; an error means the queue
   // pair is broken and the caller closes the connection.
@@ -222,7 +237,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::atomic<bool> broke_protocol_{false};
   std::atomic<std::chrono::steady_clock::rep> last_heard_{
       std::chrono::steady_clock::now().time_since_epoch().count()};
-  bool finished_ = false;  // engine thread only
+  // Set by FinishClose, read by pollers: while polling_ is held.
+  std::atomic<bool> finished_{false};
+  std::atomic<bool> polling_{false};  // one thread polls the CQ at a time
+  std::atomic<uint64_t> caller_polls_found_{0};
 
   mutable std::mutex mu_;
   CreditWindow window_;

@@ -201,7 +201,9 @@ void Engine::Loop() {
     bool progress = false;
     for (size_t i = 0; i < conns.size();) {
       Connection* c = conns[i].get();
-      progress |= c->Poll();
+      // kBusy: a caller polls it for its own call; the engine must not
+      // sleep on a queue it has not looked at since arming it.
+      progress |= c->TryPoll() != Connection::PollResult::kIdle;
       if (c->closed()) {
         {
           // First: destroying the last id on a removed device closes the
@@ -244,7 +246,9 @@ void Engine::Loop() {
     }
     // Quiet: arm every queue, catch what raced with arming, then sleep.
     for (auto& c : conns) c->Arm();
-    for (auto& c : conns) progress |= c->Poll();
+    for (auto& c : conns) {
+      progress |= c->TryPoll() != Connection::PollResult::kIdle;
+    }
     if (progress) continue;
     pass_began_.store(0, std::memory_order_relaxed);
     HandleEpoll(-1);

@@ -13,6 +13,12 @@
 //   std::shared_ptr<Connection> conn = ...;
 //   Engine::Get().Add(conn);  // polled from now until it closes
 //
+// A caller blocked in Channel::Call polls its connection's queue itself
+// while it spins (Connection::PollForCaller), so its response completes on
+// its own thread; one thread polls a queue at a time, and the engine does
+// not sleep while a caller holds one (it has not seen that queue since it
+// armed it).
+//
 // Connections leave the engine when they close: the engine runs
 // Connection::FinishClose on its thread and drops its reference.
 //

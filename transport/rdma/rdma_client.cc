@@ -227,6 +227,10 @@ void RdmaClientTransport::Monitor() {
 void RdmaClientTransport::Start(internal::ClientCall call) {
   internal::ClientContextAccess::mutable_stats(call.ctx)->transport_reason =
       description_;
+  // The caller waits for this call next: it polls the queue itself.
+  if (std::exchange(call.caller_drives, false)) {
+    internal::OfferCallerPoll(conn_);
+  }
   endpoint_->Start(std::move(call));
   if (monitor_resting_.exchange(false)) WakeMonitor();
 }
@@ -241,6 +245,7 @@ Status RdmaClientTransport::health() const { return endpoint_->health(); }
 internal::FastPathCounters RdmaClientTransport::counters() const {
   internal::FastPathCounters c = conn_->counters();
   c.watch_wakeups = watch_wakeups_.load(std::memory_order_relaxed);
+  c.caller_polls = conn_->caller_polls_found();
   return c;
 }
 

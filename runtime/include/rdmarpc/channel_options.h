@@ -60,7 +60,9 @@ struct ChannelOptions {
   // must not block: it holds up every RDMA connection of the process, and a
   // blocking Channel::Call made in it fails with FAILED_PRECONDITION (it
   // would wait for the thread it runs on). It may start calls with
-  // CallAsync. Calls over gRPC still complete on gRPC's threads.
+  // CallAsync. Calls over gRPC still complete on gRPC's threads. A thread
+  // blocked in Channel::Call on the same channel polls the connection too,
+  // so such a callback may also run there, under the same rules.
   bool run_callbacks_inline = false;
 
   // How RDMA reaches tensors in GPU memory (see GpuRdmaMode in
@@ -112,6 +114,10 @@ struct ChannelTransportStats {
   // Times the channel's RDMA watcher woke: every 50 ms while calls are
   // outstanding, never while the channel is idle.
   uint64_t rdma_watch_wakeups = 0;
+  // Times a caller blocked in Channel::Call found completions on the
+  // connection's queue itself while it waited (its response then completed
+  // on its own thread, not handed over by the completion engine).
+  uint64_t rdma_caller_polls = 0;
 };
 
 }  // namespace rdmarpc

@@ -306,6 +306,25 @@ TEST(RdmaTransport, CallbacksRunOnTheCompletionThreadWhenAsked) {
   EXPECT_TRUE(EchoOnce(other.get(), 64, 2));
 }
 
+// A caller blocked in Channel::Call polls its connection's queue itself
+// while it spins: responses complete on its thread, and the engine still
+// finishes the calls it finds first (both poll the one queue, one at a
+// time).
+TEST(RdmaTransport, BlockingCallersPollTheirOwnQueue) {
+  Service service;
+  int port = 0;
+  auto server = StartServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  auto channel = RdmaChannel(port);
+  auto stub = E2E::NewStub(channel);
+  for (int i = 0; i < 100; ++i) {
+    ASSERT_TRUE(EchoOnce(stub.get(), i % 2 == 0 ? 64 : 256 << 10, i));
+  }
+  rdmarpc::ChannelTransportStats stats = channel->transport_stats();
+  EXPECT_EQ(stats.calls_rdma, 100u);
+  EXPECT_GT(stats.rdma_caller_polls, 0u) << stats.ToString();
+}
+
 // Without it, callbacks run on the runtime's callback thread.
 TEST(RdmaTransport, CallbacksRunOnTheCallbackThreadByDefault) {
   Service service;
