@@ -107,16 +107,19 @@ class CallWaiter {
 
   // `spin_from`: the SpinClock time the call was posted over RDMA, or 0
   // when it went over gRPC (nothing to spin for). `poll`, if set, is the
-  // queue the call completes on: polled while spinning, so the completion
-  // runs here.
+  // queue the call completes on: this thread polls it alone while it
+  // spins, so the completion runs here.
   Status Wait(uint64_t spin_from, internal::CallerPoll* poll) {
     if (spin_from != 0) {
       const internal::SpinClock& clock = internal::SpinClock::Get();
       const uint64_t until = spin_from + internal::SpinTicks();
+      bool taken = false;
       while (state_.load(std::memory_order_acquire) != kDone &&
              clock.Now() < until) {
-        if (poll == nullptr || !poll->PollForCaller()) internal::CpuRelax();
+        if (poll != nullptr && !taken) taken = poll->TakeForCaller();
+        if (!taken || !poll->PollTaken()) internal::CpuRelax();
       }
+      if (taken) poll->GiveBack();
     }
     {
       std::unique_lock<std::mutex> lock(mu_);

@@ -51,17 +51,27 @@ class CompletionThreadScope {
   bool was_;
 };
 
-// A completion queue that the thread waiting for its own call may poll
-// while it spins (Channel::Call): the call then completes on that thread,
-// with no hand-off from the engine. The transport that carries a
-// caller-driven call offers the queue on the calling thread; the waiter
-// takes it.
+// A completion queue that the thread waiting for its own call polls while
+// it spins (Channel::Call): the call then completes on that thread, with
+// no hand-off from the engine. The transport that carries a caller-driven
+// call offers the queue on the calling thread; the waiter takes it, polls
+// it alone for its spin, and gives it back before it sleeps.
+//
+//   if (poll->TakeForCaller()) {
+//     while (!done && spinning) poll->PollTaken();
+//     poll->GiveBack();
+//   }
 class CallerPoll {
  public:
   virtual ~CallerPoll() = default;
-  // Handles what completed, unless another thread is at it; true if it
-  // found anything.
-  virtual bool PollForCaller() = 0;
+  // Takes the queue from the engine; false while another thread polls it
+  // (try again) or once it is closed.
+  virtual bool TakeForCaller() = 0;
+  // Handles what completed (the caller's response, and anything else on
+  // the queue); true if it found anything. Only between a successful
+  // TakeForCaller and GiveBack.
+  virtual bool PollTaken() = 0;
+  virtual void GiveBack() = 0;
 };
 void OfferCallerPoll(std::shared_ptr<CallerPoll> poll);
 std::shared_ptr<CallerPoll> TakeCallerPoll();

@@ -58,11 +58,19 @@ std::atomic<uint64_t> average_round_trip{0};
 
 }  // namespace
 
+std::atomic<uint64_t> spin_for_testing{0};
+
 uint64_t SpinTicks() {
+  if (uint64_t t = spin_for_testing.load(std::memory_order_relaxed)) return t;
   const SpinLimits& l = Limits();
   if (l.fixed != 0) return l.fixed;
   uint64_t twice = 2 * average_round_trip.load(std::memory_order_relaxed);
   return std::clamp(twice, l.min, l.max);
+}
+
+void SetSpinForTesting(std::chrono::microseconds spin) {
+  spin_for_testing.store(spin.count() == 0 ? 0 : SpinClock::Get().Ticks(spin),
+                         std::memory_order_relaxed);
 }
 
 void RecordRoundTrip(uint64_t ticks) {

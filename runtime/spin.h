@@ -53,6 +53,9 @@ class SpinClock {
 
 // How long to spin before sleeping, in SpinClock ticks.
 uint64_t SpinTicks();
+// Tests: spins last `spin` from now on (0: back to the configured spin),
+// so that what a spin catches does not depend on the machine's speed.
+void SetSpinForTesting(std::chrono::microseconds spin);
 
 // Feeds the moving average behind SpinTicks() with one RDMA round trip
 // (SpinClock ticks from posting a request to seeing its response).

@@ -279,16 +279,27 @@ Connection::PollResult Connection::TryPoll() {
   return found ? PollResult::kFound : PollResult::kIdle;
 }
 
-bool Connection::PollForCaller() {
+bool Connection::TakeForCaller() {
+  if (polling_.exchange(true, std::memory_order_acquire)) return false;
+  if (finished_.load(std::memory_order_relaxed)) {
+    polling_.store(false, std::memory_order_release);
+    return false;
+  }
+  return true;
+}
+
+bool Connection::PollTaken() {
   // What completes here runs on the waiting thread, which must not block
   // for a call of its own meanwhile (an inline callback that tried would
   // wait for itself): it counts as a completion thread while it polls.
   internal::CompletionThreadScope scope;
-  PollResult r = TryPoll();
-  if (r == PollResult::kFound) {
-    caller_polls_found_.fetch_add(1, std::memory_order_relaxed);
-  }
-  return r == PollResult::kFound;
+  if (!PollHeld()) return false;
+  caller_polls_found_.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+void Connection::GiveBack() {
+  polling_.store(false, std::memory_order_release);
 }
 
 bool Connection::PollHeld() {

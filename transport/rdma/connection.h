@@ -18,7 +18,7 @@
 // Threads: SendFrame, Write and Close may be called from any thread. The
 // Handler's methods and every Write continuation run on the thread that
 // polls the completion queue, one at a time: the engine, or a caller
-// waiting for its own call (Channel::Call through PollForCaller). They run
+// waiting for its own call (Channel::Call, through TakeForCaller). They run
 // without the connection's lock held, so they may call back in.
 // Setup (connection_setup.cc) builds the verbs objects; this file only moves
 // bytes.
@@ -171,9 +171,12 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // (kBusy). Any thread: the engine, or a caller waiting for its own call.
   enum class PollResult { kIdle, kFound, kBusy };
   PollResult TryPoll();
-  // internal::CallerPoll: TryPoll on the thread that waits for its call.
-  bool PollForCaller() override;
-  // Times PollForCaller found completions (for tests and stats).
+  // internal::CallerPoll: the thread that waits for its call polls the
+  // queue alone for its spin; the engine skips it meanwhile.
+  bool TakeForCaller() override;
+  bool PollTaken() override;
+  void GiveBack() override;
+  // Times PollTaken found completions (for tests and stats).
   uint64_t caller_polls_found() const {
     return caller_polls_found_.load(std::memory_order_relaxed);
   }
