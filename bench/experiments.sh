@@ -125,11 +125,24 @@ fi
 addr="${RDMARPC_RDMA_ADDR:-$(ip -4 -o addr show | awk '$2 != "lo" {split($4, a, "/"); print a[1]; exit}')}"
 # perftest_rows TOOL SIZE: one row from perftest's result line.
 perftest() {
-  local tool="$1" size="$2"
-  "$tool" -d "$dev" -R -s "$size" -n "$3" >/dev/null 2>&1 &
-  local server=$!
-  sleep 1
-  "$tool" -d "$dev" -R -s "$size" -n "$3" "$addr" 2>/dev/null |
+  local tool="$1" size="$2" out="" server
+  # A client that comes before the server listens fails (perftest 4.5 even
+  # segfaults) or hangs, and can leave the server waiting forever on the
+  # half-made connection: then both start again.
+  for _ in 1 2 3; do
+    "$tool" -d "$dev" -R -s "$size" -n "$3" >/dev/null 2>&1 &
+    server=$!
+    sleep 2
+    if out="$(timeout 300 "$tool" -d "$dev" -R -s "$size" -n "$3" "$addr" \
+      2>/dev/null)"; then
+      wait "$server" || true
+      break
+    fi
+    kill "$server" 2>/dev/null || true
+    wait "$server" 2>/dev/null || true
+    out=""
+  done
+  echo "$out" |
     awk -v tool="$tool" -v size="$size" '
       $1 == size && tool == "ib_send_lat" {
         print "perftest,ib_send_lat," size ",t_typical," $5 ",us" }
@@ -137,7 +150,6 @@ perftest() {
         print "perftest,ib_write_bw," size ",bw_average," $4 ",MB/s" }
       $1 == size && tool == "ib_send_bw" {
         print "perftest,ib_send_bw," size ",msg_rate," $5 * 1e6 ",1/s" }'
-  wait "$server" || true
 }
 perftest_all() {
   for s in $small; do perftest ib_send_lat "$s" 2000; done
