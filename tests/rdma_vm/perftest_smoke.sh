@@ -31,25 +31,32 @@ if [ -z "$addr" ]; then
 fi
 [ -n "$addr" ] || fail "no IPv4 address for $dev; set RDMARPC_RDMA_ADDR"
 
-# run_pair TOOL ARGS...: server in the background, client against it (the
-# client retries until the server listens), both must succeed.
+# run_pair TOOL ARGS...: server in the background, client against it once
+# the server listens (rdma_cm shows its id in LISTEN), both must succeed. A
+# client that comes too early fails (perftest 4.5 may segfault) and can
+# leave the server stuck on the half-made connection, so it never does;
+# a client that still fails or hangs gets a fresh server, three times.
 run_pair() {
   local tool="$1" out
   shift
   out="$(mktemp)"
-  "$tool" -d "$dev" -i "$port" -R "$@" >"$out.server" 2>&1 &
-  local server=$!
-  local ok=0
-  for _ in $(seq 1 50); do
-    if "$tool" -d "$dev" -i "$port" -R "$@" "$addr" >"$out" 2>&1; then
+  local ok=0 server
+  for _ in 1 2 3; do
+    "$tool" -d "$dev" -i "$port" -R "$@" >"$out.server" 2>&1 &
+    server=$!
+    for _ in $(seq 1 150); do
+      rdma res show cm_id 2>/dev/null | grep -q "state LISTEN.* pid $server " && break
+      kill -0 "$server" 2>/dev/null || break
+      sleep 0.2
+    done
+    if timeout 300 "$tool" -d "$dev" -i "$port" -R "$@" "$addr" >"$out" 2>&1; then
       ok=1
       break
     fi
-    kill -0 "$server" 2>/dev/null || break
-    sleep 0.2
+    kill "$server" 2>/dev/null || true
+    wait "$server" 2>/dev/null || true
   done
   if [ "$ok" -ne 1 ]; then
-    kill "$server" 2>/dev/null || true
     cat "$out" "$out.server" >&2
     fail "$tool client did not complete against its server"
   fi
