@@ -24,6 +24,13 @@ Status FateUnknown(uint64_t call_id) {
       "reached the client; it is not run again (it may have run)"));
 }
 
+Status ResentElsewhere(uint64_t call_id) {
+  return absl::UnavailableError(absl::StrCat(
+      "the client re-sent call ", call_id,
+      " over another transport while its response was being sent on this "
+      "connection: the client has left it"));
+}
+
 Status ShuttingDown(uint64_t call_id) {
   return absl::UnavailableError(
       absl::StrCat("the server is shutting down while call ", call_id,
@@ -153,6 +160,10 @@ bool CallLog::Admit(const std::shared_ptr<ServerCallState>& state,
       }
       if (r.waiters.empty()) waited_on_.push_back(it->first);
       r.waiters.push_back({state, std::move(done)});
+      if (std::shared_ptr<ResponsePath> path = r.path.lock()) {
+        lock.unlock();  // the close reports Undelivered, which takes mu_
+        path->Abandon(ResentElsewhere(state->call_id));
+      }
       return false;
     case Record::Stage::kRetained:
       ++stats_.repeats_answered;
@@ -186,6 +197,7 @@ void CallLog::Finished(const ServerCallState& state, const Status& status,
     if (it == records_.end()) return;
     it->second.stage = Record::Stage::kSending;
     it->second.finished = options_.now();
+    it->second.path = state.response_path;
     waiters.swap(it->second.waiters);
     stats_.repeats_answered += waiters.size();
   }
@@ -204,6 +216,7 @@ void CallLog::Delivered(const ServerCallState& state) {
     r.stage = Record::Stage::kDelivered;
     r.state.reset();
     r.response.reset();
+    r.path.reset();
     waiters.swap(r.waiters);
     stats_.repeats_refused += waiters.size();
   }
@@ -221,6 +234,7 @@ void CallLog::Undelivered(std::shared_ptr<ServerCallState> state, Status status,
     Record& r = it->second;
     if (r.stage == Record::Stage::kDelivered) return;  // a repeat did
     r.stage = Record::Stage::kRetained;
+    r.path.reset();
     r.status = status;
     r.state = state;
     r.response = kept;

@@ -12,8 +12,13 @@
 //   log.Undelivered(state, status, std::move(response)) if it could not.
 //
 // A repeat of a running call waits for it; a repeat of a call whose
-// response could not be delivered gets that response (a copy of the
-// message, the same tensor buffers); a repeat of a delivered call, of a
+// response is being sent waits to learn its fate, and abandons the
+// connection it is sent on (ServerCallState::response_path): the client
+// re-sends only after giving that connection up, and a lossy path could
+// otherwise keep the sender retrying past the caller's deadline. A repeat
+// of a call whose response could not be delivered gets that response (a
+// copy of the message, the same tensor buffers); a repeat of a delivered
+// call, of a
 // call from before a server restart, or of one older than the window fails
 // with UNAVAILABLE, never running the handler twice. A repeat never waits
 // on a record that cannot settle: when the transport has not said within
@@ -114,6 +119,8 @@ class CallLog {
     Status status;
     std::shared_ptr<ServerCallState> state;
     std::shared_ptr<const google::protobuf::Message> response;
+    // kSending: where the response goes out.
+    std::weak_ptr<ResponsePath> path;
   };
 
   static Key KeyOf(const ServerCallState& state) {

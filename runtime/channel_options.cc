@@ -48,7 +48,11 @@ std::string ChannelTransportStats::ToString() const {
       "\nlast trigger: ", last_trigger.empty() ? "none" : last_trigger, "\n");
   if (!last_error.empty())
     absl::StrAppend(&out, "last error: ", last_error, "\n");
-  absl::StrAppend(&out, "probes: ", probes, "\n");
+  absl::StrAppend(&out, "probes: ", probes);
+  if (health == RdmaHealth::kDegraded) {
+    absl::StrAppend(&out, " (next after about ", probe_backoff.count(), " ms)");
+  }
+  absl::StrAppend(&out, "\n");
   if (!last_probe_error.empty()) {
     absl::StrAppend(&out, "last probe error: ", last_probe_error, "\n");
   }

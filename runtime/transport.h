@@ -133,6 +133,19 @@ struct ServerMethod {
   bool blocking = false;
 };
 
+// The connection a logged call's response goes out on, as the call log
+// sees it (see call_log.h).
+class ResponsePath {
+ public:
+  virtual ~ResponsePath() = default;
+  // The client re-sent a call whose response is going out here: it re-sends
+  // only after it gave this connection up, so it will never read what is in
+  // flight on it. Closes the connection, so that the transport reports the
+  // responses it was sending as undelivered instead of waiting for the
+  // wire's retries to fail.
+  virtual void Abandon(const Status& why) = 0;
+};
+
 // Server-side state of one call, shared by the transport (which fills it
 // and sends the result) and the dispatcher (which runs the handler).
 class ServerCallState {
@@ -158,6 +171,9 @@ class ServerCallState {
   // Set by the dispatcher when the call went through its call log; the
   // transport then reports the response's fate (Dispatcher::Delivered).
   bool logged = false;
+  // Set by a transport whose connection the client may give up while a
+  // response is on it (RDMA); empty for one whose close it always sees.
+  std::weak_ptr<ResponsePath> response_path;
   std::optional<std::chrono::system_clock::time_point> deadline;
   std::multimap<std::string, std::string> client_metadata;
   CallTensors tensors;

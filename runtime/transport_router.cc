@@ -17,7 +17,8 @@ TransportRouter::TransportRouter(const ChannelOptions& options,
     : options_(options),
       client_id_(client_id),
       fallback_(fallback),
-      connect_(std::move(connect)) {
+      connect_(std::move(connect)),
+      probe_backoff_(options_.rdma_probe_initial_backoff) {
   if (options_.policy == TransportPolicy::kGrpc) {
     health_ = RdmaHealth::kGrpcOnly;
     reason_ = "policy 'grpc'";
@@ -74,6 +75,15 @@ void TransportRouter::MarkLostLocked(const Status& why,
   // transport's close; the background thread drops it.
   retired_.push_back(std::move(fast_));
   health_ = RdmaHealth::kDegraded;
+  // A connection that did not last (a path that loses packets lets a probe
+  // through now and then, a port that flaps) earns no quick return: the
+  // channel would bounce back onto the path and stall its calls again.
+  if (std::chrono::steady_clock::now() - ready_since_ < kShortLived) {
+    probe_backoff_ =
+        std::min(probe_backoff_ * 2, options_.rdma_probe_max_backoff);
+  } else {
+    probe_backoff_ = options_.rdma_probe_initial_backoff;
+  }
   ++counts_.switches;
   counts_.last_trigger = trigger;
   counts_.last_error = std::string(why.message());
@@ -84,7 +94,6 @@ void TransportRouter::MarkLostLocked(const Status& why,
 
 void TransportRouter::Loop() {
   std::mt19937_64 random(client_id_);
-  std::chrono::milliseconds backoff = options_.rdma_probe_initial_backoff;
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     if (!retired_.empty()) {
@@ -103,6 +112,7 @@ void TransportRouter::Loop() {
       if (connected.transport) {
         fast_ = std::move(connected.transport);
         health_ = RdmaHealth::kReady;
+        ready_since_ = std::chrono::steady_clock::now();
       } else {
         reason_ = std::string(connected.error.message());
         // No RDMA on a side is not going to change; anything else might.
@@ -126,12 +136,11 @@ void TransportRouter::Loop() {
         return stopping_ || health_ == RdmaHealth::kDegraded ||
                !retired_.empty();
       });
-      backoff = options_.rdma_probe_initial_backoff;
       continue;
     }
     std::uniform_real_distribution<double> jitter(0.75, 1.25);
     auto wait = std::chrono::milliseconds(
-        static_cast<int64_t>(backoff.count() * jitter(random)));
+        static_cast<int64_t>(probe_backoff_.count() * jitter(random)));
     if (cv_.wait_for(lock, wait, [this] { return stopping_; })) return;
     lock.unlock();
     FastConnectResult connected = Connect();
@@ -139,7 +148,8 @@ void TransportRouter::Loop() {
     ++counts_.probes;
     if (!connected.transport) {
       counts_.last_probe_error = std::string(connected.error.message());
-      backoff = std::min(backoff * 2, options_.rdma_probe_max_backoff);
+      probe_backoff_ =
+          std::min(probe_backoff_ * 2, options_.rdma_probe_max_backoff);
       continue;
     }
     if (stopping_) {
@@ -148,9 +158,9 @@ void TransportRouter::Loop() {
     }
     fast_ = std::move(connected.transport);
     health_ = RdmaHealth::kReady;
+    ready_since_ = std::chrono::steady_clock::now();
     ++counts_.switches;
     reason_.clear();
-    backoff = options_.rdma_probe_initial_backoff;
   }
 }
 
@@ -161,6 +171,7 @@ ChannelTransportStats TransportRouter::stats() {
     std::lock_guard<std::mutex> lock(mu_);
     stats = counts_;
     stats.health = health_;
+    stats.probe_backoff = probe_backoff_;
     fast = fast_;
     switch (health_) {
       case RdmaHealth::kNotTried:

@@ -72,6 +72,10 @@ class TransportRouter {
   // rdma-ready -> degraded. Requires mu_.
   void MarkLostLocked(const Status& why, const std::string& trigger);
 
+  // A fast path lost sooner than this after it became ready keeps the
+  // probe backoff growing (ChannelOptions::rdma_probe_max_backoff).
+  static constexpr std::chrono::seconds kShortLived{10};
+
   const ChannelOptions options_;
   const uint64_t client_id_;
   ClientTransport* const fallback_;
@@ -86,6 +90,10 @@ class TransportRouter {
   std::vector<std::shared_ptr<FastTransport>> retired_;
   std::vector<ClientCall> waiting_;  // while kConnecting
   ChannelTransportStats counts_;     // switches, triggers, probes
+  // The wait before the next probe, and when the fast path last became
+  // ready (a connection lost soon after keeps the backoff growing).
+  std::chrono::milliseconds probe_backoff_;
+  std::chrono::steady_clock::time_point ready_since_;
   std::atomic<uint64_t> calls_fast_{0};
   std::atomic<uint64_t> calls_fallback_{0};
   std::atomic<uint64_t> calls_resent_{0};

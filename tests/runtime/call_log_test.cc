@@ -120,6 +120,51 @@ TEST_F(CallLogTest, RepeatOfAnUndeliveredCallGetsTheKeptResponse) {
   EXPECT_EQ(LabelOf(repeat), "kept");
 }
 
+// The connection a response goes out on, as the log sees it: a re-send
+// while the response is on its way abandons it.
+class FakePath final : public ResponsePath {
+ public:
+  void Abandon(const Status& why) override {
+    ++abandoned;
+    reason = std::string(why.message());
+  }
+  int abandoned = 0;
+  std::string reason;
+};
+
+TEST_F(CallLogTest, RepeatOfACallBeingSentAbandonsItsConnection) {
+  CallLog log(Options(), kInstance);
+  auto path = std::make_shared<FakePath>();
+  auto first = Call(3);
+  first->response_path = path;
+  Outcome unused, repeat;
+  ASSERT_TRUE(Admit(log, first, &unused));
+  // A repeat while the handler runs waits for it: nothing to abandon yet.
+  Outcome early;
+  EXPECT_FALSE(Admit(log, Call(3, true), &early));
+  EXPECT_EQ(path->abandoned, 0);
+  auto response = Response("sending");
+  log.Finished(*first, absl::OkStatus(), response.get());
+  EXPECT_EQ(early.runs, 1);
+  // Being sent: the repeat waits and makes the transport give the send up,
+  // which reports the response undelivered and so answers the repeat.
+  EXPECT_FALSE(Admit(log, Call(3, true), &repeat));
+  EXPECT_EQ(path->abandoned, 1);
+  EXPECT_NE(path->reason.find("re-sent call 3"), std::string::npos)
+      << path->reason;
+  EXPECT_EQ(repeat.runs, 0);
+  log.Undelivered(first, absl::OkStatus(), std::move(response));
+  EXPECT_EQ(repeat.runs, 1);
+  ASSERT_TRUE(repeat.status->ok()) << *repeat.status;
+  EXPECT_EQ(LabelOf(repeat), "sending");
+  // Settled: a later repeat is answered from the record, abandoning nothing.
+  Outcome later;
+  EXPECT_FALSE(Admit(log, Call(3, true), &later));
+  EXPECT_EQ(later.runs, 1);
+  EXPECT_EQ(path->abandoned, 1);
+  EXPECT_EQ(unused.runs, 0);
+}
+
 TEST_F(CallLogTest, RepeatOfADeliveredCallIsRefusedNotRun) {
   CallLog log(Options(), kInstance);
   auto first = Call(3);

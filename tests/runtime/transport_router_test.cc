@@ -295,6 +295,22 @@ TEST_F(TransportRouterTest, LostConnectionResendsEachCallInFlightOnce) {
             std::string::npos);
 }
 
+// A path that keeps breaking right after each probe gets through (a lossy
+// link) must not pull the channel back at the initial backoff every time.
+TEST_F(TransportRouterTest, ConnectionsLostSoonAfterConnectingKeepBackingOff) {
+  ChannelOptions options = Options();
+  options.rdma_probe_max_backoff = 6ms;
+  auto router = Router(options, {Outcome::kConnect});
+  Route(*router, 1);
+  ASSERT_TRUE(WaitFor(*router, RdmaHealth::kReady));
+  for (int64_t expected_ms : {2, 4, 6, 6}) {
+    connector_->last()->Lose("server silent on RDMA");
+    EXPECT_EQ(router->stats().probe_backoff.count(), expected_ms);
+    ASSERT_TRUE(WaitFor(*router, RdmaHealth::kReady));
+  }
+  EXPECT_EQ(dones_[1].runs.load(), 1);
+}
+
 TEST_F(TransportRouterTest, PolicyRdmaFailsInsteadOfFallingBack) {
   auto router = Router(Options(TransportPolicy::kRdma), {Outcome::kConnect});
   Route(*router, 1);

@@ -74,6 +74,12 @@ std::shared_ptr<Connection> ServerEndpoint::connection() {
   return conn_;
 }
 
+void ServerEndpoint::Abandon(const Status& why) {
+  if (std::shared_ptr<Connection> conn = connection()) {
+    conn->Close(why, "client re-sent a call");
+  }
+}
+
 void ServerEndpoint::CancelAll() {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [id, r] : calls_) r->state->cancelled.store(true);
@@ -208,6 +214,7 @@ Status ServerEndpoint::AdmitRequest(const FrameView& frame) {
   r.state->peer = peer_;
   r.state->call_id = call_id;
   r.state->client_id = client_id_;
+  r.state->response_path = weak_from_this();
   if (head.timeout_us() > 0) {
     r.state->deadline = std::chrono::system_clock::now() +
                         std::chrono::microseconds(head.timeout_us());

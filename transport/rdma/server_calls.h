@@ -56,6 +56,7 @@ struct ServerRecord;
 
 class ServerEndpoint final
     : public Connection::Handler,
+      public internal::ResponsePath,
       public std::enable_shared_from_this<ServerEndpoint> {
  public:
   ServerEndpoint(internal::Dispatcher* dispatcher,
@@ -71,6 +72,8 @@ class ServerEndpoint final
   Status OnFrame(const FrameView& frame) override;
   Status OnWriteLanded(uint32_t immediate) override;
   void OnClosed(const Status& why) override;
+  // Closes the connection (a re-send proved the client left it).
+  void Abandon(const Status& why) override;
 
   void Respond(uint64_t call_id,
                const std::shared_ptr<internal::ServerCallState>& state,

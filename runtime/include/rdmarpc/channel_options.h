@@ -51,7 +51,10 @@ struct ChannelOptions {
   // over gRPC (each runs once). Slow handlers never trip it. 0: never.
   std::chrono::milliseconds rdma_peer_timeout{3000};
   // Degraded: the first probe waits this long, then each wait doubles up
-  // to the maximum; every wait is jittered by +-25%.
+  // to the maximum; every wait is jittered by +-25%. A connection lost
+  // within 10 s of coming up (a lossy path, a flapping port) does not start
+  // the next round over from the initial wait: it keeps doubling, so a
+  // channel does not keep returning to a bad path.
   std::chrono::milliseconds rdma_probe_initial_backoff{100};
   std::chrono::milliseconds rdma_probe_max_backoff{5000};
   // CallAsync's callbacks of calls that complete over RDMA run on the RDMA
@@ -94,9 +97,11 @@ struct ChannelTransportStats {
   // its error text; empty while nothing has.
   std::string last_trigger;
   std::string last_error;
-  // Probes made while degraded, and the last one's error.
+  // Probes made while degraded, the last one's error, and the wait before
+  // the next one (before jitter) while degraded.
   uint64_t probes = 0;
   std::string last_probe_error;
+  std::chrono::milliseconds probe_backoff{0};
   // Calls started over each transport (a re-send counts on gRPC too), and
   // calls re-sent over gRPC after their RDMA connection failed.
   uint64_t calls_rdma = 0;
