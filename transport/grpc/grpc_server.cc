@@ -1,13 +1,19 @@
 #include "transport/grpc/grpc_server.h"
 
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/impl/codegen/proto_utils.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 #include <grpcpp/support/proto_buffer_reader.h>
+#include <pthread.h>
 
+#include <algorithm>
+#include <atomic>
 #include <climits>
+#include <condition_variable>
 #include <mutex>
 #include <optional>
+#include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -18,32 +24,173 @@
 #include "transport/grpc/status_convert.h"
 
 namespace rdmarpc::grpc_transport {
-namespace {
 
 using google::protobuf::Message;
 
-// One server call. Reads the request (plain or lean), hands it to the
-// dispatcher, writes the response the way the request came. Deletes itself
-// in OnDone, which gRPC runs only after Finish.
-class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
+// The serving side: one completion queue of the gRPC server, drained by a
+// few threads; the thread that gets an event runs that step of the call, so
+// a call crosses no thread of ours unless its handler runs on the worker
+// pool (the way stock gRPC's synchronous server works). gRPC's callback API
+// ran each step on its own executor threads: more hand-offs, and about eight
+// more futex calls per call than stock's synchronous server.
+class GrpcServerTransport::Service {
  public:
-  ServerCallReactor(grpc::GenericCallbackServerContext* gctx,
-                    internal::Dispatcher* dispatcher)
-      : gctx_(gctx), dispatcher_(dispatcher) {}
+  Service(internal::Dispatcher* dispatcher,
+          std::map<std::string, InternalMethod> internal_methods)
+      : dispatcher_(dispatcher),
+        internal_methods_(std::move(internal_methods)) {}
 
+  ~Service() { Stop(); }
+
+  grpc::AsyncGenericService* generic() { return &generic_; }
+  // Before BuildAndStart.
+  void AddQueue(grpc::ServerBuilder* builder) {
+    queue_ = builder->AddCompletionQueue();
+  }
+  // After BuildAndStart: waits for calls on `threads` threads.
+  void Run(int threads);
+  // After Server::Shutdown returned: waits until every call is gone, then
+  // drains and stops the queue. Idempotent.
+  void Stop();
+
+  internal::Dispatcher* dispatcher() { return dispatcher_; }
+  const InternalMethod* FindInternal(const std::string& path) const {
+    auto it = internal_methods_.find(path);
+    return it == internal_methods_.end() ? nullptr : &it->second;
+  }
+  // A new call object waits for the next call on `queue`.
+  void Arm(grpc::ServerCompletionQueue* queue);
+  void Forget();  // a call object is gone
+
+ private:
+  // Calls the server can match at once before a thread arms more.
+  static constexpr int kArmed = 8;
+
+  internal::Dispatcher* const dispatcher_;
+  const std::map<std::string, InternalMethod> internal_methods_;
+  grpc::AsyncGenericService generic_;
+  std::unique_ptr<grpc::ServerCompletionQueue> queue_;
+  std::vector<std::thread> threads_;
+  bool stopped_ = false;
+  std::atomic<bool> stopping_{false};
+  std::mutex mu_;
+  std::condition_variable gone_;
+  uint64_t live_ = 0;  // call objects, armed or serving
+};
+
+namespace {
+
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define RDMARPC_TSAN 1
+#endif
+#endif
+#if defined(__SANITIZE_THREAD__)
+#define RDMARPC_TSAN 1
+#endif
+#ifdef RDMARPC_TSAN
+extern "C" void __tsan_acquire(void* addr);
+extern "C" void __tsan_release(void* addr);
+void TsanAcquire(void* addr) { __tsan_acquire(addr); }
+void TsanRelease(void* addr) { __tsan_release(addr); }
+#else
+void TsanAcquire(void*) {}
+void TsanRelease(void*) {}
+#endif
+
+// One call on the gRPC port, from its arrival to the end of its RPC. Reads
+// the request (plain or lean), hands it to the dispatcher (or a runtime
+// method), writes the response the way the request came. Every step but
+// the handler runs on the thread of the call's completion queue; the
+// response may be started from a worker. It deletes itself once it has
+// finished the RPC and every operation it started has come back.
+class ServerCall {
+ public:
+  ServerCall(GrpcServerTransport::Service* service,
+             grpc::ServerCompletionQueue* queue)
+      : service_(service), queue_(queue) {}
+
+  void Request() {
+    // The done tag comes back only for a call that started (gRPC issue
+    // 10136), which is why a failed request is deleted at once.
+    ctx_.AsyncNotifyWhenDone(Started(&done_tag_));
+    service_->generic()->RequestCall(&ctx_, &stream_, queue_, queue_,
+                                     Started(&request_tag_));
+  }
+
+  enum class Op { kRequest, kRead, kWrite, kFinish, kDone };
+  struct Tag {
+    ServerCall* call;
+    Op op;
+  };
+  // A tag back from the queue: what the thread that started its operation
+  // wrote before is visible here. (gRPC, not built with TSan, hands the tag
+  // over where TSan cannot see it; this tells TSan.)
+  static Tag* Received(void* tag) {
+    TsanAcquire(tag);
+    return static_cast<Tag*>(tag);
+  }
+
+  // On a queue thread: an operation came back.
+  void OnEvent(Op op, bool ok) {
+    switch (op) {
+      case Op::kRequest:
+        if (!ok) {  // the server is shutting down
+          service_->Forget();
+          delete this;
+          return;
+        }
+        service_->Arm(queue_);
+        Begin();
+        return;
+      case Op::kRead:
+        OnReadDone(ok);
+        break;
+      case Op::kWrite:
+        OnWriteDone(ok);
+        break;
+      case Op::kFinish:
+        break;
+      case Op::kDone: {
+        // Cancelled or past its deadline: a handler not yet started skips.
+        // (It may come back while another thread is still in Begin.)
+        std::lock_guard<std::mutex> lock(mu_);
+        cancelled_ = ctx_.IsCancelled();
+        if (cancelled_ && state_) state_->cancelled.store(true);
+        break;
+      }
+    }
+    bool gone;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      gone = --pending_ == 0 && finished_;
+    }
+    if (gone) End();
+  }
+
+ private:
   void Begin() {
-    const internal::ServerMethod* method = dispatcher_->Find(gctx_->method());
+    if (const auto* internal = service_->FindInternal(ctx_.method())) {
+      internal_ = internal;
+      return Read();
+    }
+    internal::Dispatcher* dispatcher = service_->dispatcher();
+    const internal::ServerMethod* method = dispatcher->Find(ctx_.method());
     if (method == nullptr) {
       return FinishOnce(absl::UnimplementedError(absl::StrCat(
-          "method ", gctx_->method(), " is not served by this server")));
+          "method ", ctx_.method(), " is not served by this server")));
     }
-    state_ = std::make_shared<internal::ServerCallState>(method,
-                                                         TransportKind::kGrpc);
-    state_->peer = gctx_->peer();
-    if (gctx_->deadline() != std::chrono::system_clock::time_point::max()) {
-      state_->deadline = gctx_->deadline();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      state_ = std::make_shared<internal::ServerCallState>(
+          method, TransportKind::kGrpc);
+      if (cancelled_) state_->cancelled.store(true);
     }
-    for (const auto& [k, v] : gctx_->client_metadata()) {
+    state_->peer = ctx_.peer();
+    if (ctx_.deadline() != std::chrono::system_clock::time_point::max()) {
+      state_->deadline = ctx_.deadline();
+    }
+    for (const auto& [k, v] : ctx_.client_metadata()) {
       std::string key(k.data(), k.size());
       std::string value(v.data(), v.size());
       if (key == kFramingKey) {
@@ -72,20 +219,28 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
     if (lean_) {
       receiver_.emplace([this](const LeanHead& head) { return OnHead(head); });
     }
-    StartRead(&read_buf_);
+    Read();
   }
 
-  void OnReadDone(bool ok) override {
+  void Read() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++pending_;
+    }
+    stream_.Read(&read_buf_, Started(&read_tag_));
+  }
+
+  void OnReadDone(bool ok) {
+    if (internal_ != nullptr) return RunInternal(ok);
     if (lean_) {
       if (ok) {
         Status s = receiver_->OnMessage(&read_buf_);
         if (!s.ok()) return FinishOnce(s);
         // A complete request runs now: waiting for the client's end of
-        // stream would cost one more read and its callback on every call.
-        // Whatever the client might send past what its head announced is
-        // not read.
+        // stream would cost one more read on every call. Whatever the
+        // client might send past what its head announced is not read.
         if (receiver_->complete()) return Dispatch();
-        return StartRead(&read_buf_);
+        return Read();
       }
       Status s = receiver_->OnEnd();
       if (!s.ok()) return FinishOnce(s);
@@ -95,34 +250,37 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
       return FinishOnce(
           absl::InvalidArgumentError("client sent no request message"));
     }
-    Status s = AcceptPlain();
+    Status s = AcceptPlainRequest(
+        &read_buf_, request_.get(), state_->method().placement,
+        service_->dispatcher()->max_request_tensor_bytes(), request_,
+        &state_->tensors);
     if (!s.ok()) return FinishOnce(s);
     Dispatch();
   }
 
-  void OnWriteDone(bool ok) override {
+  // A runtime method: one request message in, one response message out.
+  void RunInternal(bool ok) {
+    if (!ok)
+      return FinishOnce(absl::InvalidArgumentError("no request message"));
+    std::vector<grpc::Slice> slices;
+    std::string request;
+    if (read_buf_.Dump(&slices).ok()) {
+      for (const grpc::Slice& s : slices) {
+        request.append(reinterpret_cast<const char*>(s.begin()), s.size());
+      }
+    }
+    StatusOr<std::string> response = (*internal_)(ctx_.peer(), request);
+    if (!response.ok()) return FinishOnce(response.status());
+    grpc::Slice slice(*response);
+    grpc::ByteBuffer(&slice, 1).Swap(&write_buf_);
+    WriteAndFinishOnce();
+  }
+
+  void OnWriteDone(bool ok) {
     if (!ok) return FinishOnce(absl::CancelledError("response write failed"));
     WriteNext();
   }
 
-  void OnCancel() override {
-    if (state_) state_->cancelled.store(true);
-  }
-
-  void OnDone() override {
-    // A logged call (a re-send): its outcome reached the client unless the
-    // RPC was cancelled or broke; then the log keeps it for another re-send.
-    if (state_ && state_->logged && finished_) {
-      if (!gctx_->IsCancelled()) {
-        dispatcher_->Delivered(*state_);
-      } else {
-        dispatcher_->Undelivered(state_, outcome_, std::move(response_));
-      }
-    }
-    delete this;
-  }
-
- private:
   bool ParseResend(const std::string& value) {
     std::optional<ResendMetadata> r = ParseResendMetadata(value);
     if (!r) return false;
@@ -137,25 +295,19 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
     RDMARPC_ASSIGN_OR_RETURN(
         internal::IncomingResult r,
         AcceptHead(head, request_.get(), state_->method().placement,
-                   dispatcher_->max_request_tensor_bytes(), request_,
+                   service_->dispatcher()->max_request_tensor_bytes(), request_,
                    &state_->tensors));
     return std::move(r.landing);
   }
 
-  Status AcceptPlain() {
-    return AcceptPlainRequest(
-        &read_buf_, request_.get(), state_->method().placement,
-        dispatcher_->max_request_tensor_bytes(), request_, &state_->tensors);
-  }
-
   void Dispatch() {
-    dispatcher_->Execute(state_, request_,
-                         [this](Status s, std::unique_ptr<Message> response) {
-                           Respond(std::move(s), std::move(response));
-                         });
+    service_->dispatcher()->Execute(
+        state_, request_, [this](Status s, std::unique_ptr<Message> response) {
+          Respond(std::move(s), std::move(response));
+        });
   }
 
-  // Runs on a worker thread once the handler returned.
+  // On the queue's thread (inline handlers) or a worker.
   void Respond(Status s, std::unique_ptr<Message> response) {
     // Past the deadline the client expects DEADLINE_EXCEEDED, whatever the
     // handler made of its cancellation.
@@ -209,20 +361,38 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
     if (!more.ok()) return FinishOnce(more.status());
     if (!*more) return FinishOnce(absl::OkStatus());
     if (last) return WriteAndFinishOnce();
-    StartWrite(&write_buf_);
-  }
-
-  // Writes the last message and finishes, unless the call finished already.
-  // The lock is released first: once the client has the response, OnDone
-  // may run on another thread and delete `this` (and mu_) at once.
-  void WriteAndFinishOnce() {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (finished_) return;
-      finished_ = true;
-      outcome_ = absl::OkStatus();
+      ++pending_;
     }
-    StartWriteAndFinish(&write_buf_, grpc::WriteOptions(), grpc::Status::OK);
+    stream_.Write(write_buf_, Started(&write_tag_));
+  }
+
+  // The last operation of the call: its response and status, or only its
+  // status. At most once. Started under mu_, so that the queue's thread,
+  // which may delete `this` once it comes back, waits for the caller (a
+  // worker) to let go; nothing touches `this` after.
+  void WriteAndFinishOnce() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_) return;
+    finished_ = true;
+    outcome_ = absl::OkStatus();
+    ++pending_;
+    stream_.WriteAndFinish(write_buf_, grpc::WriteOptions(), grpc::Status::OK,
+                           Started(&finish_tag_));
+  }
+  void FinishOnce(const Status& s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_) return;
+    finished_ = true;
+    outcome_ = s;
+    ++pending_;
+    stream_.Finish(ToGrpc(s), Started(&finish_tag_));
+  }
+
+  static void* Started(Tag* tag) {
+    TsanRelease(tag);
+    return tag;
   }
 
   static Status HandlerError(const Status& s) {
@@ -230,19 +400,33 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
         absl::StrCat("handler built an invalid response: ", s.message()));
   }
 
-  // Finish must run exactly once; `this` may be gone right after it.
-  void FinishOnce(const Status& s) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (finished_) return;
-      finished_ = true;
-      outcome_ = s;
+  // Every operation is back and the RPC is over.
+  void End() {
+    // A logged call (a re-send): its outcome reached the client unless the
+    // RPC was cancelled or broke; then the log keeps it for another re-send.
+    if (state_ && state_->logged) {
+      if (!ctx_.IsCancelled()) {
+        service_->dispatcher()->Delivered(*state_);
+      } else {
+        service_->dispatcher()->Undelivered(state_, outcome_,
+                                            std::move(response_));
+      }
     }
-    Finish(ToGrpc(s));
+    GrpcServerTransport::Service* service = service_;
+    delete this;
+    service->Forget();
   }
 
-  grpc::GenericCallbackServerContext* gctx_;
-  internal::Dispatcher* dispatcher_;
+  GrpcServerTransport::Service* const service_;
+  grpc::ServerCompletionQueue* const queue_;
+  grpc::GenericServerContext ctx_;
+  grpc::GenericServerAsyncReaderWriter stream_{&ctx_};
+  Tag request_tag_{this, Op::kRequest};
+  Tag read_tag_{this, Op::kRead};
+  Tag write_tag_{this, Op::kWrite};
+  Tag finish_tag_{this, Op::kFinish};
+  Tag done_tag_{this, Op::kDone};
+  const GrpcServerTransport::InternalMethod* internal_ = nullptr;
   std::shared_ptr<internal::ServerCallState> state_;
   std::shared_ptr<Message> request_;
   std::unique_ptr<Message> response_;
@@ -252,70 +436,62 @@ class ServerCallReactor final : public grpc::ServerGenericBidiReactor {
   grpc::ByteBuffer read_buf_;
   grpc::ByteBuffer write_buf_;
   std::mutex mu_;
-  bool finished_ = false;  // guarded by mu_ until OnDone
+  bool cancelled_ = false;  // the done tag said so
+  // Operations started and not back; from the start, the done tag (which
+  // may come back before Begin ran, on another thread).
+  int pending_ = 1;
+  bool finished_ = false;  // the last operation was started
   Status outcome_;         // what Finish sent, once finished_
-};
-
-// A runtime method: one request message in, one response message out.
-class InternalCallReactor final : public grpc::ServerGenericBidiReactor {
- public:
-  InternalCallReactor(grpc::GenericCallbackServerContext* gctx,
-                      const GrpcServerTransport::InternalMethod* method)
-      : gctx_(gctx), method_(method) {
-    StartRead(&read_buf_);
-  }
-
-  void OnReadDone(bool ok) override {
-    if (!ok) {
-      return Finish(ToGrpc(absl::InvalidArgumentError("no request message")));
-    }
-    std::vector<grpc::Slice> slices;
-    std::string request;
-    if (read_buf_.Dump(&slices).ok()) {
-      for (const grpc::Slice& s : slices) {
-        request.append(reinterpret_cast<const char*>(s.begin()), s.size());
-      }
-    }
-    StatusOr<std::string> response = (*method_)(gctx_->peer(), request);
-    if (!response.ok()) return Finish(ToGrpc(response.status()));
-    grpc::Slice slice(*response);
-    grpc::ByteBuffer(&slice, 1).Swap(&write_buf_);
-    StartWriteAndFinish(&write_buf_, grpc::WriteOptions(), grpc::Status::OK);
-  }
-
-  void OnDone() override { delete this; }
-
- private:
-  grpc::GenericCallbackServerContext* gctx_;
-  const GrpcServerTransport::InternalMethod* method_;
-  grpc::ByteBuffer read_buf_;
-  grpc::ByteBuffer write_buf_;
 };
 
 }  // namespace
 
-class GrpcServerTransport::Service final : public grpc::CallbackGenericService {
- public:
-  Service(internal::Dispatcher* dispatcher,
-          std::map<std::string, InternalMethod> internal_methods)
-      : dispatcher_(dispatcher),
-        internal_methods_(std::move(internal_methods)) {}
-
-  grpc::ServerGenericBidiReactor* CreateReactor(
-      grpc::GenericCallbackServerContext* gctx) override {
-    if (auto it = internal_methods_.find(gctx->method());
-        it != internal_methods_.end()) {
-      return new InternalCallReactor(gctx, &it->second);
-    }
-    auto* reactor = new ServerCallReactor(gctx, dispatcher_);
-    reactor->Begin();
-    return reactor;
+void GrpcServerTransport::Service::Run(int threads) {
+  for (int i = 0; i < kArmed; ++i) Arm(queue_.get());
+  for (int i = 0; i < threads; ++i) {
+    threads_.emplace_back([q = queue_.get()] {
+      void* tag = nullptr;
+      bool ok = false;
+      while (q->Next(&tag, &ok)) {
+        ServerCall::Tag* t = ServerCall::Received(tag);
+        t->call->OnEvent(t->op, ok);
+      }
+    });
+    pthread_setname_np(threads_.back().native_handle(), "rdmarpc-grpc");
   }
+}
 
- private:
-  internal::Dispatcher* dispatcher_;
-  std::map<std::string, InternalMethod> internal_methods_;
-};
+void GrpcServerTransport::Service::Arm(grpc::ServerCompletionQueue* queue) {
+  if (stopping_.load()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++live_;
+  }
+  (new ServerCall(this, queue))->Request();
+}
+
+void GrpcServerTransport::Service::Forget() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (--live_ == 0) gone_.notify_all();
+}
+
+void GrpcServerTransport::Service::Stop() {
+  if (stopped_ || queue_ == nullptr) return;
+  stopped_ = true;
+  stopping_.store(true);
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    gone_.wait(lock, [this] { return live_ == 0; });
+  }
+  queue_->Shutdown();
+  for (std::thread& t : threads_) t.join();
+  // gRPC requires a queue drained before it is destroyed (no thread ran
+  // when the server failed to start).
+  void* tag = nullptr;
+  bool ok = false;
+  while (queue_->Next(&tag, &ok)) {
+  }
+}
 
 StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::Start(
     const std::vector<std::pair<std::string, int*>>& ports,
@@ -330,7 +506,8 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::Start(
     builder.AddListeningPort(ports[i].first, grpc::InsecureServerCredentials(),
                              &bound[i]);
   }
-  builder.RegisterCallbackGenericService(t->service_.get());
+  builder.RegisterAsyncGenericService(t->service_->generic());
+  t->service_->AddQueue(&builder);
   builder.SetMaxReceiveMessageSize(-1);
   builder.SetMaxSendMessageSize(-1);
   t->server_ = builder.BuildAndStart();
@@ -349,15 +526,25 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::Start(
     }
     if (ports[i].second != nullptr) *ports[i].second = bound[i];
   }
+  // Each step of a call is short (handlers run on the worker pool unless
+  // the server runs them inline, where they must not block): a few threads
+  // keep one slow step from holding up the rest.
+  t->service_->Run(static_cast<int>(
+      std::clamp(std::thread::hardware_concurrency(), 2u, 4u)));
   return t;
 }
 
-GrpcServerTransport::~GrpcServerTransport() = default;
+GrpcServerTransport::~GrpcServerTransport() {
+  Shutdown(std::chrono::system_clock::now());
+}
 
 void GrpcServerTransport::Shutdown(
     std::chrono::system_clock::time_point deadline) {
+  if (server_ == nullptr) return;
   server_->Shutdown(deadline);
+  service_->Stop();
   server_->Wait();
+  server_.reset();
 }
 
 }  // namespace rdmarpc::grpc_transport

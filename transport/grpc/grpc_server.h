@@ -4,7 +4,6 @@
 #ifndef RDMARPC_TRANSPORT_GRPC_GRPC_SERVER_H_
 #define RDMARPC_TRANSPORT_GRPC_GRPC_SERVER_H_
 
-#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/server.h>
 
 #include <functional>
@@ -20,6 +19,8 @@ namespace rdmarpc::grpc_transport {
 
 class GrpcServerTransport final : public internal::ServerTransport {
  public:
+  class Service;  // the serving threads and calls; grpc_server.cc
+
   // A runtime method served on the gRPC port (the RDMA handshake): request
   // bytes and the caller's address in, response bytes out. Runs on a gRPC
   // thread and must not block.
@@ -37,7 +38,6 @@ class GrpcServerTransport final : public internal::ServerTransport {
   void Shutdown(std::chrono::system_clock::time_point deadline) override;
 
  private:
-  class Service;
   GrpcServerTransport() = default;
 
   std::unique_ptr<Service> service_;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -613,11 +614,21 @@ Status ClientEndpoint::OnWriteLanded(uint32_t immediate) {
       // its pages would hold the engine: deregistered aside, finished from
       // there.
       r.stage = ClientRecord::Stage::kEndingGrant;
+      // Fault injection: the connection fails while the landed response's
+      // memory is deregistered aside, which ends only once the close began.
+      const bool close_first = RDMARPC_FAULT("rdma.client.close_while_landing");
+      if (close_first) {
+        conn_->Close(absl::UnavailableError("fault: closed while landing"),
+                     "fault");
+      }
       RunAside([self = shared_from_this(), call_id,
                 mrs = std::make_shared<std::vector<MemoryRegion>>(
                     std::move(r.in.landing_mrs)),
-                conn = conn_] {
+                conn = conn_, close_first] {
         mrs->clear();
+        for (int i = 0; close_first && self->health().ok() && i < 5000; ++i) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
         self->FinishLanded(call_id);
       });
       return absl::OkStatus();
@@ -642,12 +653,16 @@ void ClientEndpoint::FinishLanded(uint64_t call_id) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = calls_.find(call_id);
-    // Closed meanwhile: OnClosed finished (or re-sent) the call.
-    if (!closed_.ok() || it == calls_.end() ||
+    // The response landed in full, so it is the call's answer even if the
+    // connection closed meanwhile (OnClosed waits for it): the server
+    // counts it delivered and would refuse a re-send. Gone: OnClosed gave
+    // up waiting and re-sent the call.
+    if (it == calls_.end() ||
         it->second->stage != ClientRecord::Stage::kEndingGrant) {
       return;
     }
     FinishLandedLocked(call_id, &outcomes);
+    landed_cv_.notify_all();
   }
   Complete(std::move(outcomes));
 }
@@ -667,7 +682,15 @@ void ClientEndpoint::OnClosed(const Status& why) {
     hooks_.lost(why, conn ? conn->close_trigger() : "connection closed");
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    // Responses that landed in full are finished by FinishLanded once
+    // their landing memory is deregistered aside, not re-sent. Bounded, so
+    // a stuck deregistration cannot hold the close: then they are re-sent.
+    landed_cv_.wait_for(lock, std::chrono::seconds(10), [this] {
+      return std::none_of(calls_.begin(), calls_.end(), [](const auto& c) {
+        return c.second->stage == ClientRecord::Stage::kEndingGrant;
+      });
+    });
     // The queue pair is gone: nothing writes into these calls' memory.
     for (auto& [id, r] : calls_) r->writes_pending = 0;
     auto now = Clock::now();

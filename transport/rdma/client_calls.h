@@ -142,6 +142,8 @@ class ClientEndpoint final
   bool shutting_down_ = false;
   bool on_closed_done_ = false;
   std::condition_variable closed_cv_;
+  // A call whose response landed in full finished (FinishLanded).
+  std::condition_variable landed_cv_;
 };
 
 }  // namespace rdmarpc::rdma

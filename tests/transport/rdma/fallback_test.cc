@@ -295,6 +295,33 @@ TEST_F(FallbackTest, GrantSendFailingOnAClosingConnectionResendsTheCall) {
   EXPECT_GE(server_->call_log_stats().repeats_answered, 1u);
 }
 
+TEST_F(FallbackTest, ResponseLandedBeforeTheConnectionFailedIsTheAnswer) {
+  Start();
+  auto channel = Channel({});
+  // Over 1 MiB: the landing memory is deregistered aside, and the
+  // connection fails meanwhile. The server counts the response delivered
+  // (its writes completed), so a re-send would be refused ("already ran and
+  // its response was delivered"): the landed response must answer the call.
+  constexpr size_t kBytes = 3 << 20;
+  ASSERT_EQ(Echo(channel.get(), kBytes), rdmarpc::TransportKind::kRdma);
+  int runs_before = service_.echo_calls.load();
+  fault::Arm("rdma.client.close_while_landing", 1);
+  rdmarpc::Status s;
+  EXPECT_EQ(Echo(channel.get(), kBytes, &s), rdmarpc::TransportKind::kRdma)
+      << s;
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(service_.echo_calls.load(), runs_before + 1);
+  // The call may finish before the close reaches the channel.
+  auto until = std::chrono::steady_clock::now() + 10s;
+  while (channel->transport_stats().last_trigger.empty() &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(5ms);
+  }
+  rdmarpc::ChannelTransportStats stats = channel->transport_stats();
+  EXPECT_EQ(stats.last_trigger, "fault") << stats.ToString();
+  EXPECT_EQ(stats.calls_resent, 0u) << stats.ToString();
+}
+
 TEST_F(FallbackTest, ShutdownWithAResendPendingEndsByItsDeadline) {
   Start();
   auto channel = Channel({});
