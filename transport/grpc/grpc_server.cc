@@ -101,8 +101,8 @@ void TsanRelease(void*) {}
 // One call on the gRPC port, from its arrival to the end of its RPC. Reads
 // the request (plain or lean), hands it to the dispatcher (or a runtime
 // method), writes the response the way the request came. Every step but
-// the handler runs on the thread of the call's completion queue; the
-// response may be started from a worker. It deletes itself once it has
+// the handler runs on whichever queue thread got its event; the response
+// may be started from a worker. It deletes itself once it has
 // finished the RPC and every operation it started has come back.
 class ServerCall {
  public:
