@@ -24,6 +24,9 @@
 //                                           in the SEND and by RDMA WRITE
 //                                           (what sets the inline threshold)
 //
+// RDMARPC_BENCH_UNDER_VALGRIND=1 gives the RDMA handshake minutes and
+// turns the peer timeout off, for counting instructions under callgrind.
+//
 // RDMARPC_BENCH_CALLS=N makes latency, blocking and throughput make exactly
 // N calls per size after the warm-up, untimed (for counting what N calls
 // cost: reading the clock around each call would add two system calls per
@@ -151,6 +154,13 @@ class RdmarpcTarget final : public Target {
     rdmarpc::ChannelOptions options;
     options.policy = policy;
     options.rdma_inline_threshold = inline_threshold;
+    // Under valgrind (instruction counts) everything runs tens of times
+    // slower: the handshake needs longer and a slow server is not a dead one.
+    const char* slow = std::getenv("RDMARPC_BENCH_UNDER_VALGRIND");
+    if (slow != nullptr && *slow == '1') {
+      options.rdma_connect_timeout = std::chrono::minutes(2);
+      options.rdma_peer_timeout = std::chrono::milliseconds(0);
+    }
     // RDMARPC_BENCH_CALLBACKS_INLINE=1: callbacks on the completion engine.
     const char* cb_inline = std::getenv("RDMARPC_BENCH_CALLBACKS_INLINE");
     options.run_callbacks_inline = cb_inline != nullptr && *cb_inline == '1';

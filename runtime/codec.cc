@@ -73,13 +73,17 @@ StatusOr<std::vector<Device>> TensorPlacement::Resolve(
     const google::protobuf::Message& msg) const {
   TopFieldList fields;
   RDMARPC_RETURN_IF_ERROR(CollectTensorTopFields(msg, &fields));
-  std::vector<Device> devices(fields.size(), device);
-  for (size_t i = 0; i < fields.size(); ++i) {
-    if (auto it = by_field.find(fields[i]); it != by_field.end()) {
-      devices[i] = it->second;
-    }
-  }
+  std::vector<Device> devices;
+  devices.reserve(fields.size());
+  for (int field : fields) devices.push_back(For(field));
   return devices;
+}
+
+Device TensorPlacement::For(int top_field) const {
+  if (auto it = by_field.find(top_field); it != by_field.end()) {
+    return it->second;
+  }
+  return device;
 }
 
 std::vector<Device> TensorPlacement::Devices() const {
@@ -95,7 +99,22 @@ StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
                                         std::shared_ptr<const void> owner,
                                         CallTensors* tensors) {
   MutableTensorList fields;
-  RDMARPC_RETURN_IF_ERROR(CollectMutableTensors(msg, &fields));
+  // Top-level fields are needed only to place some apart from the rest.
+  TopFieldList top_fields;
+  RDMARPC_RETURN_IF_ERROR(CollectMutableTensors(
+      msg, &fields, where.by_field.empty() ? nullptr : &top_fields));
+  return AcceptIncoming(msg, fields, top_fields, parts, where, max_bytes,
+                        std::move(owner), tensors);
+}
+
+StatusOr<IncomingResult> AcceptIncoming(
+    google::protobuf::Message* msg, const MutableTensorList& fields,
+    std::span<const int> top_fields, std::span<const IncomingPart> parts,
+    const TensorPlacement& where, uint64_t max_bytes,
+    std::shared_ptr<const void> owner, CallTensors* tensors) {
+  if (!where.by_field.empty() && top_fields.size() != fields.size()) {
+    return absl::InternalError("tensor fields walked without their top fields");
+  }
   if (fields.size() != parts.size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("peer announced ", parts.size(),
@@ -134,14 +153,16 @@ StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
     result.total_bytes += expected;
     if (p.out_of_band) result.out_of_band_bytes += expected;
   }
-  for (const Device& d : where.Devices()) {
-    if (!d.is_host()) RDMARPC_RETURN_IF_ERROR(CudaDeviceStatus(d.index));
+  if (!fields.empty()) {
+    for (const Device& d : where.Devices()) {
+      if (!d.is_host()) RDMARPC_RETURN_IF_ERROR(CudaDeviceStatus(d.index));
+    }
   }
-  RDMARPC_ASSIGN_OR_RETURN(std::vector<Device> placements, where.Resolve(*msg));
   for (size_t i = 0; i < fields.size(); ++i) {
     Tensor& t = *fields[i];
     const IncomingPart& p = parts[i];
-    const Device placement = placements[i];
+    const Device placement =
+        where.by_field.empty() ? where.device : where.For(top_fields[i]);
     Device placement_of_bytes = placement;
     TensorBuffer bytes;
     if (!p.landing.empty()) {

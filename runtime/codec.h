@@ -14,6 +14,7 @@
 #include "rdmarpc/memory.h"
 #include "rdmarpc/status.h"
 #include "rdmarpc/tensor.h"
+#include "runtime/tensor_walk.h"
 
 namespace rdmarpc::internal {
 
@@ -45,6 +46,8 @@ struct TensorPlacement {
   // The device of each tensor of `msg`, in walk order.
   StatusOr<std::vector<Device>> Resolve(
       const google::protobuf::Message& msg) const;
+  // The device of tensors under top-level field `top_field`.
+  Device For(int top_field) const;
   // Every device named.
   std::vector<Device> Devices() const;
 };
@@ -83,6 +86,14 @@ StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
                                         uint64_t max_bytes,
                                         std::shared_ptr<const void> owner,
                                         CallTensors* tensors);
+// The same for a caller that already walked `msg`: `fields` are its
+// tensors (CollectMutableTensors) and `top_fields` their top-level fields,
+// which are needed only when `placement` puts some fields apart.
+StatusOr<IncomingResult> AcceptIncoming(
+    google::protobuf::Message* msg, const MutableTensorList& fields,
+    std::span<const int> top_fields, std::span<const IncomingPart> parts,
+    const TensorPlacement& placement, uint64_t max_bytes,
+    std::shared_ptr<const void> owner, CallTensors* tensors);
 
 // A copy of `msg` with every bound tensor's bytes inline in data(), for a
 // plain gRPC peer. Adds the bytes copied to *copied.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <memory>
+#include <typeinfo>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/hash/hash.h"
@@ -12,22 +13,26 @@
 namespace rdmarpc::internal {
 namespace {
 
+using google::protobuf::Descriptor;
 using google::protobuf::FieldDescriptor;
 using google::protobuf::Message;
 using google::protobuf::Reflection;
 
 constexpr int kMaxDepth = 100;  // protobuf's default recursion limit
 
-bool IsTensor(const google::protobuf::Descriptor* d) {
-  return d == Tensor::descriptor();
+// Asking a message or a field descriptor for its type goes through a
+// std::call_once each time (protobuf builds generated descriptors lazily),
+// which costs hundreds of instructions: the walk asks once per type.
+const Descriptor* TensorDescriptor() {
+  static const Descriptor* const tensor = Tensor::descriptor();
+  return tensor;
 }
 
 // Whether messages of type `d` can contain a Tensor somewhere below
 // (exact: each type is visited once, so recursive types terminate).
-bool MayHoldTensor(
-    const google::protobuf::Descriptor* d,
-    absl::flat_hash_set<const google::protobuf::Descriptor*>* seen) {
-  if (IsTensor(d)) return true;
+bool MayHoldTensor(const Descriptor* d,
+                   absl::flat_hash_set<const Descriptor*>* seen) {
+  if (d == TensorDescriptor()) return true;
   if (!seen->insert(d).second) return false;
   for (int i = 0; i < d->field_count(); ++i) {
     const FieldDescriptor* f = d->field(i);
@@ -39,67 +44,98 @@ bool MayHoldTensor(
   return false;
 }
 
+// A message field that can hold a tensor below it, with what the walk
+// asks of it answered once.
+struct FieldStep {
+  const FieldDescriptor* field = nullptr;
+  int number = 0;
+  bool tensor = false;  // the field's type is rdmarpc.Tensor
+  bool repeated = false;
+  bool map = false;  // maps holding tensors are an error when set
+};
+
 // What the walk needs of a message type, computed once per type: its
 // message fields that can hold a tensor below them, in field-number order.
 // Fields that cannot are skipped without a look, and a type without such
 // fields costs one lookup per call instead of a reflection scan.
 struct Layout {
+  const Descriptor* descriptor = nullptr;
+  const Reflection* reflection = nullptr;
+  bool is_tensor = false;
   // Types with extension ranges are walked over whatever is set
   // (ListFields), since an extension may hold a tensor.
   bool list_set_fields = false;
-  std::vector<const FieldDescriptor*> fields;  // maps among them: an error
+  std::vector<FieldStep> fields;
 };
 
-Layout ComputeLayout(const google::protobuf::Descriptor* d) {
+FieldStep StepFor(const FieldDescriptor* f) {
+  return {.field = f,
+          .number = f->number(),
+          .tensor = f->message_type() == TensorDescriptor(),
+          .repeated = f->is_repeated(),
+          .map = f->is_map()};
+}
+
+Layout ComputeLayout(const Message& msg) {
   Layout layout;
+  const Descriptor* d = msg.GetDescriptor();
+  layout.descriptor = d;
+  layout.reflection = msg.GetReflection();
+  layout.is_tensor = d == TensorDescriptor();
   layout.list_set_fields = d->extension_range_count() > 0;
   for (int i = 0; i < d->field_count(); ++i) {
     const FieldDescriptor* f = d->field(i);
     if (f->cpp_type() != FieldDescriptor::CPPTYPE_MESSAGE) continue;
-    absl::flat_hash_set<const google::protobuf::Descriptor*> seen;
-    if (MayHoldTensor(f->message_type(), &seen)) layout.fields.push_back(f);
+    absl::flat_hash_set<const Descriptor*> seen;
+    if (MayHoldTensor(f->message_type(), &seen)) {
+      layout.fields.push_back(StepFor(f));
+    }
   }
   std::sort(layout.fields.begin(), layout.fields.end(),
-            [](const FieldDescriptor* a, const FieldDescriptor* b) {
-              return a->number() < b->number();
+            [](const FieldStep& a, const FieldStep& b) {
+              return a.number < b.number;
             });
   return layout;
 }
 
-// Layouts of generated message types, without a lock: an open-addressed
-// table of atomic slots, filled once per type and never emptied (generated
-// descriptors live as long as the process). Two threads may both compute a
-// type's layout; the loser's copy is dropped. Null for other types (a
-// dynamic pool's descriptor may be freed and its address reused) and once
-// the table is full: the caller computes the layout for this walk.
-const Layout* CachedLayoutOf(const google::protobuf::Descriptor* d) {
-  if (d->file()->pool() != google::protobuf::DescriptorPool::generated_pool()) {
-    return nullptr;
-  }
+// Layouts of generated message classes, without a lock: an open-addressed
+// table of atomic slots keyed by the C++ class (its type_info, read from
+// the object without asking protobuf anything), filled once per class and
+// never emptied. Two threads may both compute a class's layout; the
+// loser's copy is dropped. Only generated classes go in: each has one
+// descriptor for the life of the process, where one DynamicMessage class
+// serves many descriptors (which may be freed). Null for other classes and
+// once the table is full: the caller computes the layout for this walk.
+const Layout* CachedLayoutOf(const Message& msg) {
   constexpr size_t kSlots = 4096;
   struct Slot {
-    std::atomic<const google::protobuf::Descriptor*> key{nullptr};
+    std::atomic<const std::type_info*> key{nullptr};
     std::atomic<const Layout*> layout{nullptr};
   };
-  static Slot* slots = new Slot[kSlots];
-  size_t i = absl::HashOf(d) % kSlots;
+  static Slot* const slots = new Slot[kSlots];
+  const std::type_info* type = &typeid(msg);
+  size_t i = absl::HashOf(type) % kSlots;
   for (size_t probes = 0; probes < kSlots; ++probes, i = (i + 1) % kSlots) {
     Slot& slot = slots[i];
-    const google::protobuf::Descriptor* key =
-        slot.key.load(std::memory_order_acquire);
-    if (key == nullptr &&
-        slot.key.compare_exchange_strong(key, d, std::memory_order_acq_rel)) {
-      key = d;
+    const std::type_info* key = slot.key.load(std::memory_order_acquire);
+    if (key == type) {
+      const Layout* layout = slot.layout.load(std::memory_order_acquire);
+      if (layout != nullptr) return layout;
+      break;  // being filled by another thread: compute this one
     }
-    if (key != d) continue;  // another type's slot
-    const Layout* layout = slot.layout.load(std::memory_order_acquire);
-    if (layout != nullptr) return layout;
-    auto mine = std::make_unique<Layout>(ComputeLayout(d));
-    if (slot.layout.compare_exchange_strong(layout, mine.get(),
-                                            std::memory_order_acq_rel)) {
-      return mine.release();
+    if (key != nullptr) continue;  // another class's slot
+    if (msg.GetReflection()->GetMessageFactory() !=
+        google::protobuf::MessageFactory::generated_factory()) {
+      return nullptr;  // not a generated class
     }
-    return layout;
+    if (!slot.key.compare_exchange_strong(key, type,
+                                          std::memory_order_acq_rel)) {
+      if (key != type) continue;  // another class took the slot
+      break;
+    }
+    auto mine = std::make_unique<Layout>(ComputeLayout(msg));
+    slot.layout.store(mine.get(), std::memory_order_release);
+    return mine.release();
   }
   return nullptr;
 }
@@ -112,43 +148,54 @@ Status MapHoldsTensors(const FieldDescriptor* f) {
 }
 
 // `top`, when given, receives the top-level field number of each tensor.
-Status Walk(const Message& msg, TensorList* out, int depth, TopFieldList* top,
-            int top_field) {
+Status Walk(const Message& msg, const Layout& layout, TensorList* out,
+            int depth, TopFieldList* top, int top_field);
+
+Status WalkSub(const Message& sub, TensorList* out, int depth,
+               TopFieldList* top, int top_field) {
+  if (const Layout* layout = CachedLayoutOf(sub)) {
+    return Walk(sub, *layout, out, depth, top, top_field);
+  }
+  const Layout computed = ComputeLayout(sub);
+  return Walk(sub, computed, out, depth, top, top_field);
+}
+
+Status Walk(const Message& msg, const Layout& layout, TensorList* out,
+            int depth, TopFieldList* top, int top_field) {
   if (depth > kMaxDepth) {
     return absl::InvalidArgumentError(
         absl::StrCat("message nesting deeper than ", kMaxDepth));
   }
-  Layout computed;
-  const Layout* layout = CachedLayoutOf(msg.GetDescriptor());
-  if (layout == nullptr) {
-    computed = ComputeLayout(msg.GetDescriptor());
-    layout = &computed;
-  }
-  const Reflection* r = msg.GetReflection();
-  std::vector<const FieldDescriptor*> set;
-  const std::vector<const FieldDescriptor*>* fields = &layout->fields;
-  if (layout->list_set_fields) {
-    r->ListFields(msg, &set);  // set fields, in field-number order
+  const Reflection* r = layout.reflection;
+  std::vector<FieldStep> set;
+  const std::vector<FieldStep>* fields = &layout.fields;
+  if (layout.list_set_fields) {
+    std::vector<const FieldDescriptor*> listed;
+    r->ListFields(msg, &listed);  // set fields, in field-number order
+    absl::flat_hash_set<const Descriptor*> seen;
+    for (const FieldDescriptor* f : listed) {
+      seen.clear();
+      if (f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE &&
+          MayHoldTensor(f->message_type(), &seen)) {
+        set.push_back(StepFor(f));
+      }
+    }
     fields = &set;
   }
-  for (const FieldDescriptor* f : *fields) {
-    if (f->cpp_type() != FieldDescriptor::CPPTYPE_MESSAGE) continue;
-    if (f->is_map()) {
-      absl::flat_hash_set<const google::protobuf::Descriptor*> seen;
-      if (r->FieldSize(msg, f) > 0 && MayHoldTensor(f->message_type(), &seen)) {
-        return MapHoldsTensors(f);
-      }
+  for (const FieldStep& step : *fields) {
+    const FieldDescriptor* f = step.field;
+    if (step.map) {
+      if (r->FieldSize(msg, f) > 0) return MapHoldsTensors(f);
       continue;
     }
-    const bool tensor = IsTensor(f->message_type());
-    const int field = depth == 0 ? f->number() : top_field;
+    const int field = depth == 0 ? step.number : top_field;
     auto visit = [&](const Message& sub) -> Status {
-      if (!tensor) return Walk(sub, out, depth + 1, top, field);
+      if (!step.tensor) return WalkSub(sub, out, depth + 1, top, field);
       out->push_back(static_cast<const Tensor*>(&sub));
       if (top != nullptr) top->push_back(field);
       return absl::OkStatus();
     };
-    if (f->is_repeated()) {
+    if (step.repeated) {
       for (int i = 0, n = r->FieldSize(msg, f); i < n; ++i) {
         RDMARPC_RETURN_IF_ERROR(visit(r->GetRepeatedMessage(msg, f, i)));
       }
@@ -159,29 +206,39 @@ Status Walk(const Message& msg, TensorList* out, int depth, TopFieldList* top,
   return absl::OkStatus();
 }
 
-}  // namespace
-
-Status CollectTensors(const Message& msg, TensorList* out) {
+Status WalkTop(const Message& msg, TensorList* out, TopFieldList* top) {
   out->clear();
-  if (IsTensor(msg.GetDescriptor())) {
+  if (top != nullptr) top->clear();
+  const Layout* layout = CachedLayoutOf(msg);
+  Layout computed;
+  if (layout == nullptr) {
+    computed = ComputeLayout(msg);
+    layout = &computed;
+  }
+  if (layout->is_tensor) {
     return absl::InvalidArgumentError(
         "a call's message cannot itself be an rdmarpc.Tensor; wrap it");
   }
-  return Walk(msg, out, 0, nullptr, 0);
+  return Walk(msg, *layout, out, 0, top, 0);
+}
+
+}  // namespace
+
+Status CollectTensors(const Message& msg, TensorList* out) {
+  return WalkTop(msg, out, nullptr);
 }
 
 Status CollectTensorTopFields(const Message& msg, TopFieldList* out) {
-  out->clear();
   TensorList tensors;
-  if (IsTensor(msg.GetDescriptor())) return CollectTensors(msg, &tensors);
-  return Walk(msg, &tensors, 0, out, 0);
+  return WalkTop(msg, &tensors, out);
 }
 
-Status CollectMutableTensors(Message* msg, MutableTensorList* out) {
+Status CollectMutableTensors(Message* msg, MutableTensorList* out,
+                             TopFieldList* top) {
   // The walk only visits set fields, whose sub-messages are the objects
   // `msg` owns, so handing them out mutable is sound.
   TensorList found;
-  RDMARPC_RETURN_IF_ERROR(CollectTensors(*msg, &found));
+  RDMARPC_RETURN_IF_ERROR(WalkTop(*msg, &found, top));
   out->clear();
   out->reserve(found.size());
   for (const Tensor* t : found) out->push_back(const_cast<Tensor*>(t));

@@ -22,8 +22,11 @@ using TopFieldList = absl::InlinedVector<int, 4>;
 // INVALID_ARGUMENT if a map field holds tensors (map order is not stable
 // across peers) or the nesting is deeper than protobuf's parse limit.
 Status CollectTensors(const google::protobuf::Message& msg, TensorList* out);
+// `top`, when given, receives what CollectTensorTopFields would (one walk
+// for both).
 Status CollectMutableTensors(google::protobuf::Message* msg,
-                             MutableTensorList* out);
+                             MutableTensorList* out,
+                             TopFieldList* top = nullptr);
 // The number of the top-level field of `msg` that holds each tensor, in
 // walk order.
 Status CollectTensorTopFields(const google::protobuf::Message& msg,

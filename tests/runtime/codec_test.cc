@@ -3,6 +3,9 @@
 
 #include <gtest/gtest.h>
 
+#include "google/protobuf/descriptor.pb.h"
+#include "google/protobuf/dynamic_message.h"
+#include "google/protobuf/text_format.h"
 #include "runtime/access.h"
 #include "runtime/tensor_walk.h"
 #include "runtime_test.pb.h"
@@ -76,6 +79,75 @@ TEST(TensorWalkTest, RecursiveMapWithoutTensorsIsFine) {
   Status s = CollectTensors(n, &found);
   EXPECT_TRUE(s.ok()) << s;
   EXPECT_TRUE(found.empty());
+}
+
+// DynamicMessage is one C++ class for every type it builds: the walk must
+// not take one type's layout for another's.
+TEST(TensorWalkTest, DynamicMessagesOfDifferentTypesWalkTheirOwnFields) {
+  google::protobuf::FileDescriptorProto file;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(
+      R"pb(
+        name: "dynamic_walk.proto"
+        package: "dynamic_walk"
+        dependency: "rdmarpc/tensor.proto"
+        syntax: "proto3"
+        message_type {
+          name: "One"
+          field {
+            name: "t"
+            number: 1
+            label: LABEL_OPTIONAL
+            type: TYPE_MESSAGE
+            type_name: ".rdmarpc.Tensor"
+          }
+        }
+        message_type {
+          name: "Two"
+          field { name: "n" number: 1 label: LABEL_OPTIONAL type: TYPE_INT32 }
+          field {
+            name: "u"
+            number: 2
+            label: LABEL_OPTIONAL
+            type: TYPE_MESSAGE
+            type_name: ".rdmarpc.Tensor"
+          }
+          field {
+            name: "v"
+            number: 3
+            label: LABEL_REPEATED
+            type: TYPE_MESSAGE
+            type_name: ".rdmarpc.Tensor"
+          }
+        }
+      )pb",
+      &file));
+  google::protobuf::DescriptorPool pool(
+      google::protobuf::DescriptorPool::generated_pool());
+  ASSERT_NE(pool.BuildFile(file), nullptr);
+  google::protobuf::DynamicMessageFactory factory;
+  // Tensor fields hold generated rdmarpc::Tensor objects, as the walk needs.
+  factory.SetDelegateToGeneratedFactory(true);
+  std::unique_ptr<google::protobuf::Message> one(
+      factory.GetPrototype(pool.FindMessageTypeByName("dynamic_walk.One"))
+          ->New());
+  std::unique_ptr<google::protobuf::Message> two(
+      factory.GetPrototype(pool.FindMessageTypeByName("dynamic_walk.Two"))
+          ->New());
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(
+      "t { dtype: DTYPE_U8 }", one.get()));
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(
+      "n: 7 u { dtype: DTYPE_I8 } v { dtype: DTYPE_I16 } v { dtype: DTYPE_F32 "
+      "}",
+      two.get()));
+  for (int round = 0; round < 2; ++round) {
+    TensorList found;
+    ASSERT_TRUE(CollectTensors(*one, &found).ok());
+    ASSERT_EQ(found.size(), 1u);
+    EXPECT_EQ(found[0]->dtype(), DTYPE_U8);
+    TopFieldList top;
+    ASSERT_TRUE(CollectTensorTopFields(*two, &top).ok());
+    EXPECT_EQ(top, (TopFieldList{2, 3, 3}));
+  }
 }
 
 Outer OneTensor(DType dtype, std::vector<int64_t> shape) {

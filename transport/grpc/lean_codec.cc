@@ -38,13 +38,15 @@ Status AcceptPlainRequest(grpc::ByteBuffer* bytes,
   }
   // A plain peer sends every tensor inline; AcceptIncoming checks each
   // against its dtype and shape.
-  internal::TensorList fields;
-  RDMARPC_RETURN_IF_ERROR(internal::CollectTensors(*msg, &fields));
+  internal::MutableTensorList fields;
+  internal::TopFieldList top_fields;
+  RDMARPC_RETURN_IF_ERROR(internal::CollectMutableTensors(
+      msg, &fields, placement.by_field.empty() ? nullptr : &top_fields));
   std::vector<internal::IncomingPart> parts;
   parts.reserve(fields.size());
   for (const Tensor* t : fields) parts.push_back({false, t->data().size(), {}});
-  return internal::AcceptIncoming(msg, parts, placement, max_bytes,
-                                  std::move(owner), tensors)
+  return internal::AcceptIncoming(msg, fields, top_fields, parts, placement,
+                                  max_bytes, std::move(owner), tensors)
       .status();
 }
 namespace {

@@ -419,7 +419,9 @@ StatusOr<internal::IncomingResult> FinishPayload(
         absl::StrCat("message does not parse as ", msg->GetTypeName()));
   }
   internal::MutableTensorList fields;
-  RDMARPC_RETURN_IF_ERROR(internal::CollectMutableTensors(msg, &fields));
+  internal::TopFieldList top_fields;
+  RDMARPC_RETURN_IF_ERROR(internal::CollectMutableTensors(
+      msg, &fields, placement.by_field.empty() ? nullptr : &top_fields));
   if (fields.size() + 1 != in->parts.size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("peer announced ", in->parts.size() - 1,
@@ -442,8 +444,8 @@ StatusOr<internal::IncomingResult> FinishPayload(
   }
   RDMARPC_ASSIGN_OR_RETURN(
       internal::IncomingResult result,
-      internal::AcceptIncoming(msg, parts, placement, max_tensor_bytes,
-                               std::move(owner), tensors));
+      internal::AcceptIncoming(msg, fields, top_fields, parts, placement,
+                               max_tensor_bytes, std::move(owner), tensors));
   if (!fill_first) RDMARPC_RETURN_IF_ERROR(copy_staged(consumer));
   for (const Staged& st : staged) result.cpu_copied_bytes += st.pinned.size();
   result.cpu_copied_bytes += copied;
