@@ -104,7 +104,35 @@ rpc_syscalls() {
     "$(perf_counts "$sc_tmp/2500")"
 }
 
+# Instructions per call, both ends: callgrind over 1000 and over 3000
+# calls, the difference over 2000. Under the VM's CPU emulation time goes
+# with instructions, so this says where a small call's time goes, and it
+# does not drift between runs the way timings do. (perftest busy-polls, so
+# its count is its waiting time: no reference row.) Prints
+# "instructions,SYSTEM-STYLE,64,per_call,V,n".
+rpc_instructions() {
+  local style="$1" sys="$2" n
+  for n in 1000 3000; do
+    RDMARPC_BENCH_UNDER_VALGRIND=1 RDMARPC_BENCH_CALLS=$n \
+      valgrind --tool=callgrind --fair-sched=yes --vgdb=no \
+      --callgrind-out-file="$sc_tmp/cg.$n" \
+      "$bin/rpc_bench" "$style" "$sys" 64 >/dev/null 2>&1
+  done
+  awk '/^totals:/ {t[FILENAME] = $2}
+       END {printf "instructions,%s-%s,64,per_call,%.0f,n\n", sys, style,
+                   (t[b] - t[a]) / 2000}' sys="$sys" style="$style" \
+    a="$sc_tmp/cg.1000" b="$sc_tmp/cg.3000" "$sc_tmp/cg.1000" "$sc_tmp/cg.3000"
+}
+instructions_all() {
+  local sys
+  for sys in "$@"; do
+    COMMAND_TEXT="RDMARPC_BENCH_UNDER_VALGRIND=1 RDMARPC_BENCH_CALLS=1000|3000 valgrind --tool=callgrind --fair-sched=yes $bin/rpc_bench blocking $sys 64" \
+      run instructions rpc_instructions blocking "$sys"
+  done
+}
+
 if [[ "$group" == grpc ]]; then
+  instructions_all grpc-inline stock
   for sys in grpc grpc-inline stock; do
     for style in blocking latency; do
       COMMAND_TEXT="RDMARPC_BENCH_CALLS=500|2500 perf stat -e $sc_events $bin/rpc_bench $style $sys 64" \
@@ -189,6 +217,7 @@ for sys in rdma rdma-inline; do
       run syscalls rpc_syscalls "$style" "$sys"
   done
 done
+instructions_all rdma-inline rdma
 # The 64 MiB target: rdmarpc and ib_write_bw take turns, 3 rounds, and the
 # summary compares their medians (soft-RoCE's bandwidth drifts from run to
 # run by more than the margin the target leaves).

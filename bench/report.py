@@ -361,6 +361,22 @@ def main():
             md.append(f"| {s} | {fmt(v)} | "
                       f"{fmt(get('throughput', s, 'cpu_per_gb').get(64 << 20))} |")
         md.append("")
+    ins = {r["system"]: float(r["value"]) for r in rows
+           if r["experiment"] == "instructions"}
+    if ins:
+        md += ["## Instructions per 64 B call (both ends, callgrind)", "",
+               "Blocking stubs; the difference of two runs (1000 and 3000 "
+               "calls) over 2000, client and server together. Under the "
+               "VM's CPU emulation time goes with instructions. perftest "
+               "busy-polls, so it has no comparable count.", "",
+               "| path | instructions per call | vs stock gRPC |",
+               "|---|---|---|"]
+        stock = ins.get("stock-blocking")
+        for name in sorted(ins):
+            ratio = (f"{ins[name] / stock:.2f}x"
+                     if stock and not name.startswith("rdma") else "")
+            md.append(f"| {name} | {ins[name]:.0f} | {ratio} |")
+        md.append("")
     allocs = {(exp, s): get(exp, s, "allocations_per_call").get(64)
               for exp in ("latency", "blocking")
               for s in ("rdma", "rdma-inline", "grpc", "grpc-inline", "stock")}

@@ -13,7 +13,7 @@ packages=(
   # The sanitizer trees and libFuzzer (scripts/test.sh).
   clang-14 libclang-rt-14-dev
   # bench/run_all.sh: plots.
-  python3-matplotlib linux-perf
+  python3-matplotlib linux-perf valgrind
   # The soft-RoCE VM (tests/rdma_vm) and the RDMA smoke checks inside it.
   qemu-system-x86 busybox-static cpio kmod iproute2 xz-utils
   rdma-core ibverbs-utils ibverbs-providers rdmacm-utils perftest
