@@ -154,7 +154,10 @@ StatusOr<IncomingResult> AcceptIncoming(
     if (p.out_of_band) result.out_of_band_bytes += expected;
   }
   if (!fields.empty()) {
-    for (const Device& d : where.Devices()) {
+    if (!where.device.is_host()) {
+      RDMARPC_RETURN_IF_ERROR(CudaDeviceStatus(where.device.index));
+    }
+    for (const auto& [field, d] : where.by_field) {
       if (!d.is_host()) RDMARPC_RETURN_IF_ERROR(CudaDeviceStatus(d.index));
     }
   }

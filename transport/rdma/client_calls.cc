@@ -232,7 +232,7 @@ void ClientEndpoint::Start(internal::ClientCall call) {
     auto done = std::move(record->call.done);
     return done(absl::CancelledError("call cancelled before start"));
   }
-  std::vector<Outcome> outcomes;
+  Outcomes outcomes;
   {
     std::lock_guard<std::mutex> lock(mu_);
     bool cancelled = early_cancels_.erase(call_id) > 0;
@@ -275,7 +275,7 @@ void ClientEndpoint::SendCancelLocked(uint64_t call_id) {
 }
 
 void ClientEndpoint::Cancel(uint64_t call_id, Status why) {
-  std::vector<Outcome> outcomes;
+  Outcomes outcomes;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = calls_.find(call_id);
@@ -323,8 +323,7 @@ std::chrono::milliseconds ClientEndpoint::ExpireDeadlines() {
 }
 
 void ClientEndpoint::FinishLocked(uint64_t call_id, Status status,
-                                  std::vector<Outcome>* outcomes,
-                                  Outcome::Next next) {
+                                  Outcomes* outcomes, Outcome::Next next) {
   auto it = calls_.find(call_id);
   if (it == calls_.end()) return;
   ClientRecord& r = *it->second;
@@ -338,7 +337,7 @@ void ClientEndpoint::FinishLocked(uint64_t call_id, Status status,
   calls_.erase(it);
 }
 
-void ClientEndpoint::Complete(std::vector<Outcome> outcomes) {
+void ClientEndpoint::Complete(Outcomes outcomes) {
   if (outcomes.empty()) return;
   // Registrations in the records belong to the connection's protection
   // domain, which must outlive them.
@@ -382,7 +381,7 @@ void ClientEndpoint::Complete(std::vector<Outcome> outcomes) {
 }
 
 Status ClientEndpoint::OnFrame(const FrameView& frame) {
-  std::vector<Outcome> outcomes;
+  Outcomes outcomes;
   Status s;
   switch (frame.type) {
     case FrameType::kGrant:
@@ -414,8 +413,7 @@ Status ClientEndpoint::OnPong(const FrameView& frame) {
   return absl::OkStatus();
 }
 
-Status ClientEndpoint::OnGrant(const FrameView& frame,
-                               std::vector<Outcome>* outcomes) {
+Status ClientEndpoint::OnGrant(const FrameView& frame, Outcomes* outcomes) {
   RDMARPC_ASSIGN_OR_RETURN(uint64_t call_id, GrantCallId(frame));
   std::lock_guard<std::mutex> lock(mu_);
   auto it = calls_.find(call_id);
@@ -429,7 +427,7 @@ Status ClientEndpoint::OnGrant(const FrameView& frame,
                      call_id](Status) {
     auto ep = weak.lock();
     if (!ep) return;
-    std::vector<Outcome> done;
+    Outcomes done;
     {
       std::lock_guard<std::mutex> lock(ep->mu_);
       auto it = ep->calls_.find(call_id);
@@ -455,8 +453,7 @@ Status ClientEndpoint::OnGrant(const FrameView& frame,
   return absl::OkStatus();
 }
 
-Status ClientEndpoint::OnResponse(const FrameView& frame,
-                                  std::vector<Outcome>* outcomes) {
+Status ClientEndpoint::OnResponse(const FrameView& frame, Outcomes* outcomes) {
   ScratchHead<ResponseHead> scratch;
   RDMARPC_RETURN_IF_ERROR(ParseResponse(frame, limits_, &*scratch));
   const ResponseHead& head = *scratch;
@@ -533,8 +530,7 @@ Status ClientEndpoint::OnResponse(const FrameView& frame,
 }
 
 void ClientEndpoint::FailResponseLocked(uint64_t call_id, Status why,
-                                        bool server_waits,
-                                        std::vector<Outcome>* outcomes) {
+                                        bool server_waits, Outcomes* outcomes) {
   // A server waiting for a grant for the written parts must hear that the
   // call is over.
   if (server_waits) SendCancelLocked(call_id);
@@ -543,7 +539,7 @@ void ClientEndpoint::FailResponseLocked(uint64_t call_id, Status why,
 
 void ClientEndpoint::GrantRegistered(uint64_t call_id, IncomingPayload in,
                                      Status registered) {
-  std::vector<Outcome> outcomes;
+  Outcomes outcomes;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = calls_.find(call_id);
@@ -565,8 +561,7 @@ void ClientEndpoint::GrantRegistered(uint64_t call_id, IncomingPayload in,
   Complete(std::move(outcomes));
 }
 
-void ClientEndpoint::GrantResponseLocked(uint64_t call_id,
-                                         std::vector<Outcome>* outcomes) {
+void ClientEndpoint::GrantResponseLocked(uint64_t call_id, Outcomes* outcomes) {
   ClientRecord& r = *calls_.at(call_id);
   ClientContext* ctx = r.call.ctx;
   if (!r.in.gpu_mode.empty()) {
@@ -603,7 +598,7 @@ void ClientEndpoint::GrantResponseLocked(uint64_t call_id,
 }
 
 Status ClientEndpoint::OnWriteLanded(uint32_t immediate) {
-  std::vector<Outcome> outcomes;
+  Outcomes outcomes;
   {
     std::lock_guard<std::mutex> lock(mu_);
     RDMARPC_ASSIGN_OR_RETURN(uint64_t call_id, grants_.Redeem(immediate));
@@ -639,8 +634,7 @@ Status ClientEndpoint::OnWriteLanded(uint32_t immediate) {
   return absl::OkStatus();
 }
 
-void ClientEndpoint::FinishLandedLocked(uint64_t call_id,
-                                        std::vector<Outcome>* outcomes) {
+void ClientEndpoint::FinishLandedLocked(uint64_t call_id, Outcomes* outcomes) {
   ClientRecord& r = *calls_.at(call_id);
   Status accepted = AcceptResponse(r);
   Status status = r.deferred ? *r.deferred : accepted;
@@ -649,7 +643,7 @@ void ClientEndpoint::FinishLandedLocked(uint64_t call_id,
 }
 
 void ClientEndpoint::FinishLanded(uint64_t call_id) {
-  std::vector<Outcome> outcomes;
+  Outcomes outcomes;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = calls_.find(call_id);
@@ -668,7 +662,7 @@ void ClientEndpoint::FinishLanded(uint64_t call_id) {
 }
 
 void ClientEndpoint::OnClosed(const Status& why) {
-  std::vector<Outcome> outcomes;
+  Outcomes outcomes;
   std::shared_ptr<Connection> conn;
   bool resend = false;
   {

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "runtime/transport.h"
 #include "transport/rdma/connection.h"
 #include "transport/rdma/grant_table.h"
@@ -46,6 +47,8 @@ struct Outcome {
   Status status;
   Next next = Next::kComplete;
 };
+// Most frames settle one call: kept inline, off the heap.
+using Outcomes = absl::InlinedVector<Outcome, 1>;
 
 class ClientEndpoint final
     : public Connection::Handler,
@@ -94,27 +97,26 @@ class ClientEndpoint final
   void OnClosed(const Status& why) override;
 
  private:
-  Status OnGrant(const FrameView& frame, std::vector<Outcome>* outcomes);
-  Status OnResponse(const FrameView& frame, std::vector<Outcome>* outcomes);
+  Status OnGrant(const FrameView& frame, Outcomes* outcomes);
+  Status OnResponse(const FrameView& frame, Outcomes* outcomes);
   // A pong names the calls whose handlers the server is running: they are
   // moving.
   Status OnPong(const FrameView& frame);
   // Removes the call and queues its completion (or defers it while writes
   // are pending). Requires mu_.
-  void FinishLocked(uint64_t call_id, Status status,
-                    std::vector<Outcome>* outcomes,
+  void FinishLocked(uint64_t call_id, Status status, Outcomes* outcomes,
                     Outcome::Next next = Outcome::Next::kComplete);
-  void Complete(std::vector<Outcome> outcomes);
+  void Complete(Outcomes outcomes);
   void SendCancelLocked(uint64_t call_id);
   // Fails a call whose response could not be received (its landing memory
   // not allocated or registered). Requires mu_.
   void FailResponseLocked(uint64_t call_id, Status why, bool server_waits,
-                          std::vector<Outcome>* outcomes);
+                          Outcomes* outcomes);
   // Grants the response's landing memory (r.in) to the server, or finishes
   // a call whose response came whole. Requires mu_.
-  void GrantResponseLocked(uint64_t call_id, std::vector<Outcome>* outcomes);
+  void GrantResponseLocked(uint64_t call_id, Outcomes* outcomes);
   // The response landed: binds it and finishes the call. Requires mu_.
-  void FinishLandedLocked(uint64_t call_id, std::vector<Outcome>* outcomes);
+  void FinishLandedLocked(uint64_t call_id, Outcomes* outcomes);
   // From the registration thread (kRegisterAsideBytes): a large response's
   // landing memory is registered (or failed to be) ...
   void GrantRegistered(uint64_t call_id, IncomingPayload in, Status registered);

@@ -285,14 +285,14 @@ StatusOr<IncomingPayload> ReceivePayload(
   // Where each tensor goes: per field needs the message, which is known
   // here only when it came in the frame; otherwise FinishPayload moves the
   // tensors of fields placed apart.
-  std::vector<Device> devices(in.parts.size() - 1, placement.device);
+  absl::InlinedVector<Device, 2> devices(in.parts.size() - 1, placement.device);
   if (!placement.by_field.empty() && prototype != nullptr &&
       !in.parts[0].out_of_band()) {
     std::unique_ptr<google::protobuf::Message> probe(prototype->New());
     if (probe->ParseFromString(in.message)) {
       auto resolved = placement.Resolve(*probe);
       if (resolved.ok() && resolved->size() == devices.size()) {
-        devices = *std::move(resolved);
+        devices.assign(resolved->begin(), resolved->end());
       }
     }
   }
@@ -406,7 +406,7 @@ StatusOr<internal::IncomingResult> FinishPayload(
   // AcceptIncoming, which must then read the copied bytes.
   const bool fill_first = !placement.by_field.empty();
   if (fill_first) RDMARPC_RETURN_IF_ERROR(copy_staged(nullptr));
-  std::vector<TensorBuffer> landed(in->parts.size());
+  absl::InlinedVector<TensorBuffer, 2> landed(in->parts.size());
   for (size_t k = 0; k < in->landing.size(); ++k) {
     landed[in->landing_part[k]] = in->landing[k];
   }
@@ -427,7 +427,7 @@ StatusOr<internal::IncomingResult> FinishPayload(
         absl::StrCat("peer announced ", in->parts.size() - 1,
                      " tensors but the message holds ", fields.size()));
   }
-  std::vector<internal::IncomingPart> parts;
+  absl::InlinedVector<internal::IncomingPart, 1> parts;
   parts.reserve(fields.size());
   uint64_t copied = 0;
   for (size_t i = 0; i < fields.size(); ++i) {

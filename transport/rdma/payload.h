@@ -98,10 +98,12 @@ struct OutgoingPayload {
     const std::function<void(Status)>& done);
 
 struct IncomingPayload {
-  std::vector<Part> parts;
+  // Inline room for a message part and a tensor: a small call's payload
+  // costs no allocation for its bookkeeping.
+  absl::InlinedVector<Part, 2> parts;
   std::string message;  // part 0 when it came in the frame
   // Inline tensor bytes by tensor index (empty when not inline).
-  std::vector<std::string> inline_tensors;
+  absl::InlinedVector<std::string, 1> inline_tensors;
   // Landing memory of the out-of-band parts, in part order, and the part
   // index of each.
   std::vector<TensorBuffer> landing;

@@ -177,7 +177,7 @@ Status ServerEndpoint::OnWriteLanded(uint32_t immediate) {
 }
 
 void ServerEndpoint::ExecuteReady() {
-  std::vector<ReadyCall> ready;
+  ReadyCalls ready;
   {
     std::lock_guard<std::mutex> lock(mu_);
     ready.swap(ready_);

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "google/protobuf/message.h"
 #include "runtime/transport.h"
 #include "transport/rdma/connection.h"
@@ -139,7 +140,10 @@ class ServerEndpoint final
     std::shared_ptr<google::protobuf::Message> request;
     internal::Dispatcher::Completion done;
   };
-  std::vector<ReadyCall> ready_;  // for ExecuteReady
+  // For ExecuteReady. Inline: a call at a time is the common case, and
+  // swapping it out must not cost an allocation per call.
+  using ReadyCalls = absl::InlinedVector<ReadyCall, 1>;
+  ReadyCalls ready_;
 };
 
 }  // namespace rdmarpc::rdma
