@@ -59,7 +59,6 @@ struct FieldStep {
 // Fields that cannot are skipped without a look, and a type without such
 // fields costs one lookup per call instead of a reflection scan.
 struct Layout {
-  const Descriptor* descriptor = nullptr;
   const Reflection* reflection = nullptr;
   bool is_tensor = false;
   // Types with extension ranges are walked over whatever is set
@@ -79,7 +78,6 @@ FieldStep StepFor(const FieldDescriptor* f) {
 Layout ComputeLayout(const Message& msg) {
   Layout layout;
   const Descriptor* d = msg.GetDescriptor();
-  layout.descriptor = d;
   layout.reflection = msg.GetReflection();
   layout.is_tensor = d == TensorDescriptor();
   layout.list_set_fields = d->extension_range_count() > 0;
