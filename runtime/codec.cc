@@ -98,21 +98,27 @@ StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
                                         uint64_t max_bytes,
                                         std::shared_ptr<const void> owner,
                                         CallTensors* tensors) {
-  MutableTensorList fields;
-  // Top-level fields are needed only to place some apart from the rest.
-  TopFieldList top_fields;
-  RDMARPC_RETURN_IF_ERROR(CollectMutableTensors(
-      msg, &fields, where.by_field.empty() ? nullptr : &top_fields));
-  return AcceptIncoming(msg, fields, top_fields, parts, where, max_bytes,
-                        std::move(owner), tensors);
+  WalkedTensors walked;
+  RDMARPC_RETURN_IF_ERROR(WalkForPlacement(msg, where, &walked));
+  return AcceptIncoming(msg, walked, parts, where, max_bytes, std::move(owner),
+                        tensors);
 }
 
-StatusOr<IncomingResult> AcceptIncoming(
-    google::protobuf::Message* msg, const MutableTensorList& fields,
-    std::span<const int> top_fields, std::span<const IncomingPart> parts,
-    const TensorPlacement& where, uint64_t max_bytes,
-    std::shared_ptr<const void> owner, CallTensors* tensors) {
-  if (!where.by_field.empty() && top_fields.size() != fields.size()) {
+Status WalkForPlacement(google::protobuf::Message* msg,
+                        const TensorPlacement& placement, WalkedTensors* out) {
+  return CollectMutableTensors(
+      msg, &out->fields, placement.by_field.empty() ? nullptr : &out->top);
+}
+
+StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
+                                        const WalkedTensors& walked,
+                                        std::span<const IncomingPart> parts,
+                                        const TensorPlacement& where,
+                                        uint64_t max_bytes,
+                                        std::shared_ptr<const void> owner,
+                                        CallTensors* tensors) {
+  const MutableTensorList& fields = walked.fields;
+  if (!where.by_field.empty() && walked.top.size() != fields.size()) {
     return absl::InternalError("tensor fields walked without their top fields");
   }
   if (fields.size() != parts.size()) {
@@ -165,7 +171,7 @@ StatusOr<IncomingResult> AcceptIncoming(
     Tensor& t = *fields[i];
     const IncomingPart& p = parts[i];
     const Device placement =
-        where.by_field.empty() ? where.device : where.For(top_fields[i]);
+        where.by_field.empty() ? where.device : where.For(walked.top[i]);
     Device placement_of_bytes = placement;
     TensorBuffer bytes;
     if (!p.landing.empty()) {

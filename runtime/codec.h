@@ -86,14 +86,23 @@ StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
                                         uint64_t max_bytes,
                                         std::shared_ptr<const void> owner,
                                         CallTensors* tensors);
-// The same for a caller that already walked `msg`: `fields` are its
-// tensors (CollectMutableTensors) and `top_fields` their top-level fields,
-// which are needed only when `placement` puts some fields apart.
-StatusOr<IncomingResult> AcceptIncoming(
-    google::protobuf::Message* msg, const MutableTensorList& fields,
-    std::span<const int> top_fields, std::span<const IncomingPart> parts,
-    const TensorPlacement& placement, uint64_t max_bytes,
-    std::shared_ptr<const void> owner, CallTensors* tensors);
+// A received message's tensors, walked once for the receiver: `top` holds
+// each tensor's top-level field only when the placement puts some fields
+// apart (nothing else needs it).
+struct WalkedTensors {
+  MutableTensorList fields;
+  TopFieldList top;
+};
+Status WalkForPlacement(google::protobuf::Message* msg,
+                        const TensorPlacement& placement, WalkedTensors* out);
+// AcceptIncoming for a caller that already walked `msg` with `placement`.
+StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
+                                        const WalkedTensors& walked,
+                                        std::span<const IncomingPart> parts,
+                                        const TensorPlacement& placement,
+                                        uint64_t max_bytes,
+                                        std::shared_ptr<const void> owner,
+                                        CallTensors* tensors);
 
 // A copy of `msg` with every bound tensor's bytes inline in data(), for a
 // plain gRPC peer. Adds the bytes copied to *copied.

@@ -145,19 +145,16 @@ Status MapHoldsTensors(const FieldDescriptor* f) {
       "not supported (use a repeated message with a key field)"));
 }
 
-// `top`, when given, receives the top-level field number of each tensor.
-Status Walk(const Message& msg, const Layout& layout, TensorList* out,
-            int depth, TopFieldList* top, int top_field);
-
-Status WalkSub(const Message& sub, TensorList* out, int depth,
-               TopFieldList* top, int top_field) {
-  if (const Layout* layout = CachedLayoutOf(sub)) {
-    return Walk(sub, *layout, out, depth, top, top_field);
-  }
-  const Layout computed = ComputeLayout(sub);
-  return Walk(sub, computed, out, depth, top, top_field);
+// Runs `walk` on the layout of `msg`'s class: cached, or computed for this
+// walk.
+template <typename WalkFn>
+Status WithLayout(const Message& msg, WalkFn walk) {
+  if (const Layout* layout = CachedLayoutOf(msg)) return walk(*layout);
+  const Layout computed = ComputeLayout(msg);
+  return walk(computed);
 }
 
+// `top`, when given, receives the top-level field number of each tensor.
 Status Walk(const Message& msg, const Layout& layout, TensorList* out,
             int depth, TopFieldList* top, int top_field) {
   if (depth > kMaxDepth) {
@@ -188,7 +185,11 @@ Status Walk(const Message& msg, const Layout& layout, TensorList* out,
     }
     const int field = depth == 0 ? step.number : top_field;
     auto visit = [&](const Message& sub) -> Status {
-      if (!step.tensor) return WalkSub(sub, out, depth + 1, top, field);
+      if (!step.tensor) {
+        return WithLayout(sub, [&](const Layout& sub_layout) {
+          return Walk(sub, sub_layout, out, depth + 1, top, field);
+        });
+      }
       out->push_back(static_cast<const Tensor*>(&sub));
       if (top != nullptr) top->push_back(field);
       return absl::OkStatus();
@@ -207,17 +208,13 @@ Status Walk(const Message& msg, const Layout& layout, TensorList* out,
 Status WalkTop(const Message& msg, TensorList* out, TopFieldList* top) {
   out->clear();
   if (top != nullptr) top->clear();
-  const Layout* layout = CachedLayoutOf(msg);
-  Layout computed;
-  if (layout == nullptr) {
-    computed = ComputeLayout(msg);
-    layout = &computed;
-  }
-  if (layout->is_tensor) {
-    return absl::InvalidArgumentError(
-        "a call's message cannot itself be an rdmarpc.Tensor; wrap it");
-  }
-  return Walk(msg, *layout, out, 0, top, 0);
+  return WithLayout(msg, [&](const Layout& layout) -> Status {
+    if (layout.is_tensor) {
+      return absl::InvalidArgumentError(
+          "a call's message cannot itself be an rdmarpc.Tensor; wrap it");
+    }
+    return Walk(msg, layout, out, 0, top, 0);
+  });
 }
 
 }  // namespace

@@ -38,15 +38,15 @@ Status AcceptPlainRequest(grpc::ByteBuffer* bytes,
   }
   // A plain peer sends every tensor inline; AcceptIncoming checks each
   // against its dtype and shape.
-  internal::MutableTensorList fields;
-  internal::TopFieldList top_fields;
-  RDMARPC_RETURN_IF_ERROR(internal::CollectMutableTensors(
-      msg, &fields, placement.by_field.empty() ? nullptr : &top_fields));
+  internal::WalkedTensors walked;
+  RDMARPC_RETURN_IF_ERROR(internal::WalkForPlacement(msg, placement, &walked));
   std::vector<internal::IncomingPart> parts;
-  parts.reserve(fields.size());
-  for (const Tensor* t : fields) parts.push_back({false, t->data().size(), {}});
-  return internal::AcceptIncoming(msg, fields, top_fields, parts, placement,
-                                  max_bytes, std::move(owner), tensors)
+  parts.reserve(walked.fields.size());
+  for (const Tensor* t : walked.fields) {
+    parts.push_back({false, t->data().size(), {}});
+  }
+  return internal::AcceptIncoming(msg, walked, parts, placement, max_bytes,
+                                  std::move(owner), tensors)
       .status();
 }
 namespace {

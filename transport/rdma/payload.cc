@@ -418,10 +418,9 @@ StatusOr<internal::IncomingResult> FinishPayload(
     return absl::InvalidArgumentError(
         absl::StrCat("message does not parse as ", msg->GetTypeName()));
   }
-  internal::MutableTensorList fields;
-  internal::TopFieldList top_fields;
-  RDMARPC_RETURN_IF_ERROR(internal::CollectMutableTensors(
-      msg, &fields, placement.by_field.empty() ? nullptr : &top_fields));
+  internal::WalkedTensors walked;
+  RDMARPC_RETURN_IF_ERROR(internal::WalkForPlacement(msg, placement, &walked));
+  const internal::MutableTensorList& fields = walked.fields;
   if (fields.size() + 1 != in->parts.size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("peer announced ", in->parts.size() - 1,
@@ -444,8 +443,8 @@ StatusOr<internal::IncomingResult> FinishPayload(
   }
   RDMARPC_ASSIGN_OR_RETURN(
       internal::IncomingResult result,
-      internal::AcceptIncoming(msg, fields, top_fields, parts, placement,
-                               max_tensor_bytes, std::move(owner), tensors));
+      internal::AcceptIncoming(msg, walked, parts, placement, max_tensor_bytes,
+                               std::move(owner), tensors));
   if (!fill_first) RDMARPC_RETURN_IF_ERROR(copy_staged(consumer));
   for (const Staged& st : staged) result.cpu_copied_bytes += st.pinned.size();
   result.cpu_copied_bytes += copied;
