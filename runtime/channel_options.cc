@@ -60,6 +60,7 @@ std::string ChannelTransportStats::ToString() const {
                   " (re-sent after an RDMA failure: ", calls_resent, ")\n",
                   "rdma frames sent/received: ", rdma_frames_sent, "/",
                   rdma_frames_received, ", writes: ", rdma_writes_posted,
+                  " (posted aside: ", rdma_writes_posted_aside, ")",
                   ", credit frames: ", rdma_credit_frames_sent,
                   ", waits for credit: ", rdma_waits_for_credit,
                   ", watcher wake-ups: ", rdma_watch_wakeups,

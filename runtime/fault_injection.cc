@@ -1,9 +1,11 @@
 #include "runtime/fault_injection.h"
 
 #include <atomic>
+#include <chrono>
 #include <map>
 #include <mutex>
 #include <string>
+#include <thread>
 
 namespace rdmarpc::internal::fault {
 namespace {
@@ -60,6 +62,14 @@ std::optional<int64_t> Take(std::string_view name) {
     r.armed.store(static_cast<int>(r.points.size()));
   }
   return value;
+}
+
+void HoldWhileArmed(std::string_view hold, std::string_view held) {
+  if (!kEnabled || !Take(hold).has_value()) return;
+  Arm(held, 1);
+  while (Take(hold).has_value()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 }  // namespace rdmarpc::internal::fault

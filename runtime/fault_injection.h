@@ -35,6 +35,10 @@ void DisarmAll();
 
 // Consumes one firing of `name`: its value, or nullopt when not armed.
 std::optional<int64_t> Take(std::string_view name);
+// While `hold` is armed, waits, having armed `held` once: a test arms
+// `hold`, takes `held` to know a thread is waiting here, then disarms
+// `hold` to let it go. Returns at once when `hold` is not armed.
+void HoldWhileArmed(std::string_view hold, std::string_view held);
 
 }  // namespace rdmarpc::internal::fault
 

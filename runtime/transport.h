@@ -83,6 +83,9 @@ struct FastPathCounters {
   uint64_t frames_sent = 0;
   uint64_t frames_received = 0;
   uint64_t writes_posted = 0;
+  // Of those, the ones the poster thread posted (software devices, large
+  // writes: ConnectionConfig::post_aside_bytes).
+  uint64_t writes_posted_aside = 0;
   uint64_t credit_frames_sent = 0;
   uint64_t waits_for_credit = 0;
   // Times the channel's RDMA watcher (deadlines, progress) woke up.

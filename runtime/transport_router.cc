@@ -197,6 +197,7 @@ ChannelTransportStats TransportRouter::stats() {
     stats.rdma_frames_sent = c.frames_sent;
     stats.rdma_frames_received = c.frames_received;
     stats.rdma_writes_posted = c.writes_posted;
+    stats.rdma_writes_posted_aside = c.writes_posted_aside;
     stats.rdma_credit_frames_sent = c.credit_frames_sent;
     stats.rdma_waits_for_credit = c.waits_for_credit;
     stats.rdma_watch_wakeups = c.watch_wakeups;

@@ -10,7 +10,9 @@
 #include "absl/strings/str_cat.h"
 #include "runtime/coarse_clock.h"
 #include "runtime/completion.h"
+#include "runtime/fault_injection.h"
 #include "runtime/spin.h"
+#include "runtime/thread_pool.h"
 #include "transport/rdma/engine.h"
 
 namespace rdmarpc::rdma {
@@ -25,6 +27,15 @@ CreditWindow::Options WindowOptions(const ConnectionConfig& c) {
           .send_queue_slots = c.send_queue_slots,
           .own_receives = c.receives,
           .return_threshold = 0};
+}
+
+// The poster thread (ConnectionConfig::post_aside_bytes). One for the
+// process: a software device moves one write at a time per CPU anyway.
+void RunOnPoster(std::function<void()> task) {
+  // Never destroyed: connections may close during static destruction.
+  static internal::ThreadPool* poster =
+      new internal::ThreadPool(1, "rdmarpc-post");
+  poster->Post(std::move(task));
 }
 
 }  // namespace
@@ -221,14 +232,49 @@ Status Connection::PostWritePieceLocked(PendingWrite& write, bool* finished) {
   wr.send_flags = IBV_SEND_SIGNALED;
   wr.wr.rdma.remote_addr = r.remote_addr + write.offset;
   wr.wr.rdma.rkey = r.rkey;
-  ibv_send_wr* bad = nullptr;
-  int rc = ibv_post_send(res_.qp.get(), &wr, &bad);
-  if (rc != 0) return VerbsError("ibv_post_send (write)", rc);
+  const bool aside =
+      config_.post_aside_bytes > 0 &&
+      (aside_queued_ > 0 || r.length >= config_.post_aside_bytes);
+  if (!aside) {
+    ibv_send_wr* bad = nullptr;
+    int rc = ibv_post_send(res_.qp.get(), &wr, &bad);
+    if (rc != 0) return VerbsError("ibv_post_send (write)", rc);
+  }
   write.offset += piece;
   ++counters_.writes_posted;
   *finished = last;
-  return TrackPostedLocked(wr.wr_id, -1,
-                           last ? std::move(write.done) : nullptr);
+  // Tracked before the poster posts it, so its completion finds it.
+  RDMARPC_RETURN_IF_ERROR(
+      TrackPostedLocked(wr.wr_id, -1, last ? std::move(write.done) : nullptr));
+  if (aside) {
+    ++aside_queued_;
+    ++counters_.writes_posted_aside;
+    RunOnPoster(
+        [self = shared_from_this(), wr, sge] { self->PostAside(wr, sge); });
+  }
+  return absl::OkStatus();
+}
+
+void Connection::PostAside(ibv_send_wr wr, ibv_sge sge) {
+  // Fault injection: a test holds the poster thread here.
+  internal::fault::HoldWhileArmed("rdma.post_aside.hold",
+                                  "rdma.post_aside.held");
+  if (wr.num_sge > 0) wr.sg_list = &sge;
+  int rc = 0;
+  {
+    std::lock_guard<std::mutex> lock(post_mu_);
+    // Gone: FinishClose has run the piece's continuation.
+    if (res_.qp.get() != nullptr) {
+      ibv_send_wr* bad = nullptr;
+      rc = ibv_post_send(res_.qp.get(), &wr, &bad);
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --aside_queued_;
+  }
+  // The piece stays tracked: the close fails its continuation.
+  if (rc != 0) Close(VerbsError("ibv_post_send (write)", rc), "post error");
 }
 
 Status Connection::PumpLocked() {
@@ -468,7 +514,10 @@ void Connection::FinishClose() {
     std::lock_guard<std::mutex> lock(mu_);
     // Once the queue pair is gone the device no longer touches any memory
     // the pending work referenced, so the continuations may release it.
-    res_.qp.Reset();
+    {
+      std::lock_guard<std::mutex> post_lock(post_mu_);
+      res_.qp.Reset();
+    }
     for (Posted& posted : posted_) {
       if (posted.done) pending.push_back(std::move(posted.done));
       posted = Posted{};

@@ -19,7 +19,10 @@
 // Handler's methods and every Write continuation run on the thread that
 // polls the completion queue, one at a time: the engine, or a caller
 // waiting for its own call (Channel::Call, through TakeForCaller). They run
-// without the connection's lock held, so they may call back in.
+// without the connection's lock held, so they may call back in. Large
+// writes on a software device are posted by one process-wide poster thread
+// (ConnectionConfig::post_aside_bytes); their continuations still run on the
+// polling thread.
 // Setup (connection_setup.cc) builds the verbs objects; this file only moves
 // bytes.
 #ifndef RDMARPC_TRANSPORT_RDMA_CONNECTION_H_
@@ -56,6 +59,11 @@ struct ConnectionConfig {
   uint32_t peer_receive_bytes = 32 << 10;
   // Writes larger than this are split (the device's max_msg_sz, or less).
   uint64_t max_write_bytes = uint64_t{1} << 30;
+  // Writes of at least this many bytes are posted by the process's poster
+  // thread, not the polling one (0: never). Set on software devices (rxe,
+  // siw), whose ibv_post_send moves the bytes before it returns: a 1 GiB
+  // write posted by the engine would hold every connection it polls.
+  uint64_t post_aside_bytes = 0;
 };
 
 // The verbs objects of one connection, in creation order (so destruction
@@ -229,6 +237,8 @@ class Connection : public std::enable_shared_from_this<Connection>,
   Posted* FindPostedLocked(uint64_t wr_id);
   void ForgetPostedLocked(Posted* posted);
   Status PostWritePieceLocked(PendingWrite& write, bool* finished);
+  // Poster thread: posts a write piece queued by PostWritePieceLocked.
+  void PostAside(ibv_send_wr wr, ibv_sge sge);
   Status CloseReason() const;
   void HandleCompletion(const ibv_wc& wc);
   void Fail(const std::string& what);
@@ -246,11 +256,19 @@ class Connection : public std::enable_shared_from_this<Connection>,
   std::atomic<uint64_t> caller_polls_found_{0};
 
   mutable std::mutex mu_;
+  // Held by the poster thread while it posts (without mu_: a long post on
+  // a software device must not hold the connection) and by FinishClose,
+  // under mu_, while it destroys the queue pair.
+  std::mutex post_mu_;
   CreditWindow window_;
   std::deque<PendingFrame> frames_;
   std::deque<PendingWrite> writes_;
   std::vector<int> free_send_buffers_;
   std::vector<Posted> posted_;  // see TrackPostedLocked
+  // Write pieces handed to the poster thread and not yet posted. While
+  // any are, later pieces go the same way, so they post in order (the
+  // immediate that announces a write must not overtake its bytes).
+  int aside_queued_ = 0;
   size_t posted_count_ = 0;
   uint64_t next_wr_id_ = 1;
   Status close_reason_;

@@ -15,6 +15,10 @@ namespace {
 
 constexpr uint32_t kConnectMagic = 0x31435252;  // "RRC1"
 constexpr size_t kConnectDataBytes = 32;
+// On a software device, writes of this size and more are posted aside
+// (ConnectionConfig::post_aside_bytes): the post of 64 KiB takes about as
+// long as a small call's round trip there.
+constexpr uint64_t kPostAsideBytes = 64 << 10;
 
 void PutU32(std::string* out, size_t at, uint32_t v) {
   for (int i = 0; i < 4; ++i) (*out)[at + i] = static_cast<char>(v >> (8 * i));
@@ -87,6 +91,11 @@ StatusOr<ConnectionResources> BuildResources(EventChannel events, CmId id,
       port.max_msg_sz > 0) {
     config->max_write_bytes =
         std::min<uint64_t>(config->max_write_bytes, port.max_msg_sz);
+  }
+  if (IsSoftwareDevice(device)) config->post_aside_bytes = kPostAsideBytes;
+  if (const char* env = std::getenv("RDMARPC_RDMA_POST_ASIDE_BYTES");
+      env != nullptr && *env != '\0') {
+    config->post_aside_bytes = std::strtoull(env, nullptr, 10);
   }
   if (const char* env = std::getenv("RDMARPC_RDMA_MAX_WRITE_BYTES");
       env != nullptr && *env != '\0') {

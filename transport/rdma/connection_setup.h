@@ -45,7 +45,9 @@ std::string EncodeConnectData(const ConnectData& data);
 // control buffers (registered for local access only) and the RC queue pair
 // for `id`, which has a device (address resolved, or a connect request).
 // config.max_write_bytes is lowered to the port's max_msg_sz (and to
-// RDMARPC_RDMA_MAX_WRITE_BYTES when set).
+// RDMARPC_RDMA_MAX_WRITE_BYTES when set); config.post_aside_bytes is set
+// on a software device (RDMARPC_RDMA_POST_ASIDE_BYTES overrides it on any
+// device, 0 turning it off).
 [[nodiscard]] StatusOr<ConnectionResources> BuildResources(
     EventChannel events, CmId id, ConnectionConfig* config);
 

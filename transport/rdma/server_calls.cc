@@ -1,7 +1,6 @@
 #include "transport/rdma/server_calls.h"
 
 #include <chrono>
-#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -11,21 +10,6 @@
 namespace rdmarpc::rdma {
 
 using google::protobuf::Message;
-
-namespace {
-
-// Fault injection only: while rdma.server.hold_registration is armed, a
-// registration aside waits, having armed rdma.server.registration_held once
-// (so a test knows the registration thread is held).
-void HoldRegistrationForTest() {
-  if (!RDMARPC_FAULT("rdma.server.hold_registration")) return;
-  internal::fault::Arm("rdma.server.registration_held", 1);
-  while (RDMARPC_FAULT("rdma.server.hold_registration")) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-}
-
-}  // namespace
 
 struct ServerRecord {
   enum class Stage {
@@ -261,7 +245,9 @@ Status ServerEndpoint::AdmitRequest(const FrameView& frame) {
     RunAside([self = shared_from_this(), call_id, state = r.state,
               in = std::make_shared<IncomingPayload>(std::move(r.in)),
               conn = conn_] {
-      HoldRegistrationForTest();
+      // Fault injection: a test holds the registration thread here.
+      internal::fault::HoldWhileArmed("rdma.server.hold_registration",
+                                      "rdma.server.registration_held");
       Status registered = RegisterLandingMemory(in.get(), conn->pd());
       self->GrantRegistered(call_id, state, std::move(*in),
                             std::move(registered));

@@ -262,6 +262,15 @@ void ForgetRemovedRdmaDevices() {
   if (ibv_context** list = rdma_get_devices(nullptr)) rdma_free_devices(list);
 }
 
+bool IsSoftwareDevice(ibv_context* device) {
+  // The vendor ids the kernel's rxe and siw drivers report.
+  constexpr uint32_t kRxeVendorId = 0xffffff;
+  constexpr uint32_t kSiwVendorId = 0x626d74;
+  ibv_device_attr attr{};
+  if (ibv_query_device(device, &attr) != 0) return false;
+  return attr.vendor_id == kRxeVendorId || attr.vendor_id == kSiwVendorId;
+}
+
 std::vector<std::string> DescribeRdmaDevices() {
   std::vector<std::string> out;
   int count = 0;

@@ -160,6 +160,11 @@ struct CmEvent {
 // device.
 void ForgetRemovedRdmaDevices();
 
+// Whether `device` is a software device (soft-RoCE rxe, soft-iWARP siw),
+// told by its vendor id. Their ibv_post_send moves a write's bytes before it
+// returns, where a NIC's only rings a doorbell.
+bool IsSoftwareDevice(ibv_context* device);
+
 // "rxe0 port 1 active mtu 4096" for each device and port; empty when there
 // is no RDMA device.
 std::vector<std::string> DescribeRdmaDevices();

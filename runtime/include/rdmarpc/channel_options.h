@@ -114,6 +114,10 @@ struct ChannelTransportStats {
   uint64_t rdma_frames_sent = 0;
   uint64_t rdma_frames_received = 0;
   uint64_t rdma_writes_posted = 0;
+  // Of the writes, those posted by the poster thread rather than the one
+  // polling the connection: large writes on a software device (rxe, siw),
+  // whose post moves the bytes before it returns.
+  uint64_t rdma_writes_posted_aside = 0;
   uint64_t rdma_credit_frames_sent = 0;
   uint64_t rdma_waits_for_credit = 0;
   // Times the channel's RDMA watcher woke: every 50 ms while calls are
