@@ -282,6 +282,9 @@ class Load {
     stop_.store(true);
     for (auto& w : workers_) w.join();
   }
+  // Calls started from now on carry at most `bytes` (row (e): the load's
+  // 4 MiB requests would compete with its hog for the landing pool).
+  void CapSize(size_t bytes) { size_cap_.store(bytes); }
 
   std::vector<Sample> samples() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -316,7 +319,7 @@ class Load {
   void Worker(int index) {
     static constexpr size_t kSizes[] = {64, 4096, 256 << 10, 4 << 20};
     for (uint32_t n = 0; !stop_.load(); ++n) {
-      size_t size = kSizes[(n + index) % 4];
+      size_t size = std::min(kSizes[(n + index) % 4], size_cap_.load());
       uint32_t seed = static_cast<uint32_t>(index) * 1000003u + n;
       auto call = std::make_shared<Call>();
       call->bytes = Pattern(size, seed);
@@ -376,6 +379,7 @@ class Load {
   std::shared_ptr<rdmarpc::Channel> channel_;
   const std::chrono::milliseconds call_timeout_;
   std::atomic<bool> stop_{false};
+  std::atomic<size_t> size_cap_{SIZE_MAX};
   std::vector<std::thread> workers_;
   std::mutex mu_;
   std::vector<Sample> samples_;
@@ -408,6 +412,7 @@ uint64_t RunTwice(const std::string& log) {
 struct Context {
   ServerProcess* server;
   rdmarpc::Channel* channel;
+  Load* load;
   std::string netdev;
   std::string note;  // for the table
 };
@@ -483,7 +488,7 @@ class FaultTest : public ::testing::Test {
     Load load(channel, setting.call_timeout);
     load.Start(4);
     std::this_thread::sleep_for(1500ms);
-    Context context{&server, channel.get(), netdev_, ""};
+    Context context{&server, channel.get(), &load, netdev_, ""};
     auto fault_at = Clock::now();
     inject(context);
     row.note = context.note;
@@ -627,8 +632,12 @@ TEST_F(FaultTest, E_LandingPoolExhausted) {
       [](Context& c) {
         // A slow call holds 62 of the pool's 64 MiB for two seconds; while
         // it runs, a 4 MiB request of ours cannot land and goes over gRPC.
-        // (The slow call may itself find the pool busy with the load's
-        // requests: then it went over gRPC and is tried again.)
+        // The load keeps to 256 KiB meanwhile (4 threads hold at most 1 MiB
+        // of the pool), or its 4 MiB requests would keep the slow call out
+        // as often as the machine's speed decides. The slow call may still
+        // find one of them in flight: then it went over gRPC and is tried
+        // again.
+        c.load->CapSize(256 << 10);
         std::vector<uint8_t> hog(62 << 20, 1);
         std::vector<uint8_t> probe(4 << 20, 2);
         bool held = false;
@@ -670,6 +679,7 @@ TEST_F(FaultTest, E_LandingPoolExhausted) {
           held = ctx.stats().transport == rdmarpc::TransportKind::kRdma;
           probe_fell_back = held && fell_back;
         }
+        c.load->CapSize(SIZE_MAX);
         EXPECT_TRUE(held) << "the slow call never got the landing pool";
         EXPECT_TRUE(probe_fell_back)
             << "a 4 MiB request did not fall back while the pool was held";
