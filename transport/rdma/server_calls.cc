@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/completion.h"
 #include "runtime/fault_injection.h"
 #include "transport/rdma/payload.h"
 
@@ -365,52 +366,112 @@ void ServerEndpoint::DispatchLocked(uint64_t call_id) {
        }});
 }
 
-void ServerEndpoint::Respond(
+ServerRecord* ServerEndpoint::RespondableLocked(
     uint64_t call_id, const std::shared_ptr<internal::ServerCallState>& state,
-    Status status, std::unique_ptr<Message> response) {
-  std::lock_guard<std::mutex> lock(mu_);
+    Status* status, std::unique_ptr<Message>* response) {
   auto it = calls_.find(call_id);
   if (closed_ || it == calls_.end() || it->second->state != state) {
     // Disconnected (or cancelled): a logged call's outcome waits for the
     // client's re-send.
     if (state->logged) {
-      dispatcher_->Undelivered(state, std::move(status), std::move(response));
+      dispatcher_->Undelivered(state, std::move(*status), std::move(*response));
     }
-    return;
+    return nullptr;
   }
-  ServerRecord& r = *it->second;
-  if (r.state->deadline &&
-      std::chrono::system_clock::now() > *r.state->deadline) {
-    return FailLocked(call_id,
-                      absl::DeadlineExceededError(
-                          "deadline passed before the handler finished"));
+  if (state->deadline && std::chrono::system_clock::now() > *state->deadline) {
+    FailLocked(call_id, absl::DeadlineExceededError(
+                            "deadline passed before the handler finished"));
+    return nullptr;
   }
-  if (!status.ok()) return FailLocked(call_id, status);
-  if (r.state->cancelled.load()) {
-    return FailLocked(call_id, absl::CancelledError("call cancelled"));
+  if (!status->ok()) {
+    FailLocked(call_id, *status);
+    return nullptr;
+  }
+  if (state->cancelled.load()) {
+    FailLocked(call_id, absl::CancelledError("call cancelled"));
+    return nullptr;
+  }
+  return it->second.get();
+}
+
+void ServerEndpoint::Respond(
+    uint64_t call_id, const std::shared_ptr<internal::ServerCallState>& state,
+    Status status, std::unique_ptr<Message> response) {
+  std::shared_ptr<Connection> conn;
+  std::shared_ptr<RegistrationCache> cache;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (RespondableLocked(call_id, state, &status, &response) == nullptr) {
+      return;
+    }
+    conn = conn_;
+    cache = cache_;
   }
   ScratchHead<ResponseHead> head;
   head->set_call_id(call_id);
   size_t base = kPreambleBytes + head->ByteSizeLong();
   size_t room =
-      conn_->max_frame_bytes() > base ? conn_->max_frame_bytes() - base : 0;
-  auto out = PlanPayload(*response, r.state->tensors, room, inline_threshold_,
-                         {conn_->pd(), gpu_mode_}, r.state->cuda_stream,
+      conn->max_frame_bytes() > base ? conn->max_frame_bytes() - base : 0;
+  auto out = PlanPayload(*response, state->tensors, room, inline_threshold_,
+                         {conn->pd(), gpu_mode_}, state->cuda_stream,
                          head->mutable_parts());
-  if (!out.ok()) {
-    return FailLocked(
-        call_id, absl::InternalError(
-                     absl::StrCat("handler built a response RDMA cannot send: ",
-                                  out.status().message())));
+  Status planned = out.ok()
+                       ? CheckGrantFits(out->out_of_band.size(),
+                                        conn->receive_bytes(), "the response")
+                       : absl::InternalError(absl::StrCat(
+                             "handler built a response RDMA cannot send: ",
+                             out.status().message()));
+  if (!planned.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (RespondableLocked(call_id, state, &status, &response) != nullptr) {
+      FailLocked(call_id, planned);
+    }
+    return;
   }
-  // The client's grant for the written parts comes to our receive buffers.
-  Status fits = CheckGrantFits(out->out_of_band.size(), conn_->receive_bytes(),
-                               "the response");
-  if (!fits.ok()) return FailLocked(call_id, fits);
-  auto sources = RegisterSources(*out, cache_.get(), conn_->pd());
+  if (out->tensor_bytes >= kRegisterAsideBytes &&
+      internal::OnCompletionThread()) {
+    // An inline handler's large response: pinning its pages would hold
+    // the engine, and so every connection it polls. Registered aside, and
+    // sent from there; the call counts as running meanwhile. (The head is
+    // copied: a scratch head belongs to the thread that made it.)
+    RunAside([self = shared_from_this(), call_id, state, conn, cache,
+              head = std::make_shared<ResponseHead>(*head),
+              out = std::make_shared<OutgoingPayload>(*std::move(out)),
+              response = std::make_shared<std::unique_ptr<Message>>(
+                  std::move(response))] {
+      // Fault injection: a test holds the registration thread here.
+      internal::fault::HoldWhileArmed("rdma.server.hold_response_registration",
+                                      "rdma.server.response_registration_held");
+      self->RegisterAndSend(call_id, state, conn, cache, *head, std::move(*out),
+                            std::move(*response));
+    });
+    return;
+  }
+  RegisterAndSend(call_id, state, conn, cache, *head, *std::move(out),
+                  std::move(response));
+}
+
+void ServerEndpoint::RegisterAndSend(
+    uint64_t call_id, const std::shared_ptr<internal::ServerCallState>& state,
+    const std::shared_ptr<Connection>& conn,
+    const std::shared_ptr<RegistrationCache>& cache, const ResponseHead& head,
+    OutgoingPayload out, std::unique_ptr<Message> response) {
+  // Off the lock: pinning the pages of an unregistered source takes time
+  // in proportion to its size, and frames of this connection need mu_.
+  auto sources = RegisterSources(out, cache.get(), conn->pd());
+  std::lock_guard<std::mutex> lock(mu_);
+  Status status;
+  ServerRecord* found = RespondableLocked(call_id, state, &status, &response);
+  if (found == nullptr) {
+    // A closed connection has cleared the cache: what this registration
+    // added to it goes now, while `conn` keeps the protection domain.
+    if (closed_) cache->Clear();
+    return;
+  }
   if (!sources.ok()) return FailLocked(call_id, sources.status());
+  ServerRecord& r = *found;
   r.sources = *std::move(sources);
-  r.out = *std::move(out);
+  r.out = std::move(out);
   std::function<void(Status)> sent;
   if (r.sources.empty()) {
     // Inline only: delivered once the frame is acknowledged.
@@ -439,7 +500,7 @@ void ServerEndpoint::Respond(
     return;
   }
   Status queued =
-      conn_->SendFrame(FrameType::kResponse, &*head, r.out.inline_parts, sent);
+      conn_->SendFrame(FrameType::kResponse, &head, r.out.inline_parts, sent);
   if (!queued.ok()) {
     if (sent) {
       sent(queued);

@@ -104,6 +104,22 @@ class ServerEndpoint final
   // ... and, once written, deregistered.
   void DispatchAside(uint64_t call_id,
                      const std::shared_ptr<internal::ServerCallState>& state);
+  // The call's record if it may still be answered. Else null, the call
+  // ended: a logged call's outcome kept for its re-send when disconnected,
+  // or an error response sent (deadline passed, handler error in `status`,
+  // cancelled). Requires mu_.
+  ServerRecord* RespondableLocked(
+      uint64_t call_id, const std::shared_ptr<internal::ServerCallState>& state,
+      Status* status, std::unique_ptr<google::protobuf::Message>* response);
+  // Respond's second half, on the handler's thread or (a large response of
+  // an inline handler) the registration thread: registers the response's
+  // written parts without holding mu_, then sends the response.
+  void RegisterAndSend(uint64_t call_id,
+                       const std::shared_ptr<internal::ServerCallState>& state,
+                       const std::shared_ptr<Connection>& conn,
+                       const std::shared_ptr<RegistrationCache>& cache,
+                       const ResponseHead& head, OutgoingPayload out,
+                       std::unique_ptr<google::protobuf::Message> response);
   Status OnGrant(const FrameView& frame);
   void OnCancel(uint64_t call_id);
   // Parses the landed request and queues it for ExecuteReady. Requires mu_.

@@ -38,6 +38,16 @@ class Service final : public E2E::Service {
                        EchoResponse* resp) override {
     ++echo_calls;
     resp->set_note(req.note());
+    if (req.fail_code() == 2) {  // a request without a tensor, answered
+      // with a tensor of `note` bytes (Pattern(bytes, 7))
+      std::vector<uint8_t> bytes = Pattern(std::stoull(req.note()), 7);
+      RDMARPC_ASSIGN_OR_RETURN(TensorBuffer out,
+                               TensorBuffer::Allocate(bytes.size()));
+      std::memcpy(out.data(), bytes.data(), bytes.size());
+      return ctx->tensors().Set(resp->mutable_tensor(), rdmarpc::DTYPE_U8,
+                                {static_cast<int64_t>(bytes.size())},
+                                std::move(out));
+    }
     if (!req.has_tensor()) return absl::OkStatus();
     RDMARPC_ASSIGN_OR_RETURN(rdmarpc::TensorView in,
                              ctx->tensors().Get(req.tensor()));
@@ -415,18 +425,25 @@ TEST(RdmaTransport, CreditsRunOutUnderASlowHandlerAndCallsWait) {
   EXPECT_EQ(stats.rdma.rfind("ready: ", 0), 0u) << stats.rdma;
 }
 
-// Arms fault point `hold`, starts an echo of `size` bytes on `large`, and
-// once the thread it holds has armed `held`, makes 20 calls on `small` (of
-// 200 and `small_bytes` bytes), which must finish while the large one does
-// not; then lets it go and checks its answer.
+// Arms fault point `hold`, starts an echo of `size` bytes on `large` (with
+// `response_only`, a request without a tensor answered with `size` bytes),
+// and once the thread it holds has armed `held`, makes 20 calls on `small`
+// (of 200 and `small_bytes` bytes), which must finish while the large one
+// does not; then lets it go and checks its answer.
 void SmallCallsGoOnWhileALargeOneIsHeld(E2E::Stub* large, E2E::Stub* small,
                                         size_t size, size_t small_bytes,
-                                        const char* hold, const char* held) {
+                                        const char* hold, const char* held,
+                                        bool response_only = false) {
   rdmarpc::internal::fault::Arm(hold);
   std::vector<uint8_t> bytes = Pattern(size, 7);
   ClientContext ctx;
   EchoRequest req;
-  ASSERT_TRUE(BindBytes(&ctx, &req, bytes.data(), size).ok());
+  if (response_only) {
+    req.set_fail_code(2);
+    req.set_note(std::to_string(size));
+  } else {
+    ASSERT_TRUE(BindBytes(&ctx, &req, bytes.data(), size).ok());
+  }
   EchoResponse resp;
   std::promise<rdmarpc::Status> large_done;
   large->Echo(&ctx, req, &resp,
@@ -469,6 +486,26 @@ TEST(RdmaTransport, CallsOnOtherConnectionsGoOnWhileALargeRequestRegisters) {
   SmallCallsGoOnWhileALargeOneIsHeld(
       large_stub.get(), small_stub.get(), size_t{4} << 20, 70000,
       "rdma.server.hold_registration", "rdma.server.registration_held");
+}
+
+// An inline handler runs on the engine: registering its large response
+// there would hold every connection, so it is registered aside. The
+// registration is held (fault point) while another connection's calls go
+// on. The request is small: a large one lands aside, and its handler then
+// runs on the registration thread, not the engine.
+TEST(RdmaTransport, CallsOnOtherConnectionsGoOnWhileALargeResponseRegisters) {
+  Service service;
+  int port = 0;
+  auto server = StartInlineServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  auto large_stub = E2E::NewStub(RdmaChannel(port));
+  auto small_stub = E2E::NewStub(RdmaChannel(port));
+  ASSERT_TRUE(EchoOnce(small_stub.get(), 100, 1));
+  SmallCallsGoOnWhileALargeOneIsHeld(large_stub.get(), small_stub.get(),
+                                     size_t{4} << 20, 30000,
+                                     "rdma.server.hold_response_registration",
+                                     "rdma.server.response_registration_held",
+                                     /*response_only=*/true);
 }
 
 // Whether every RDMA device here is a software one (rxe, siw): only there
