@@ -19,8 +19,11 @@ namespace rdmarpc::rdma {
 namespace {
 
 // Receive work requests carry this bit plus the buffer index; send work
-// requests carry a sequence number below it.
+// requests carry a sequence number below it, shifted over the index of the
+// slot they take in Connection::posted_.
 constexpr uint64_t kReceiveBit = uint64_t{1} << 63;
+constexpr int kPostedSlotBits = 20;
+constexpr uint64_t kPostedSlotMask = (uint64_t{1} << kPostedSlotBits) - 1;
 
 CreditWindow::Options WindowOptions(const ConnectionConfig& c) {
   return {.peer_receives = c.peer_receives,
@@ -44,6 +47,11 @@ StatusOr<std::shared_ptr<Connection>> Connection::Create(
     ConnectionResources resources, const ConnectionConfig& config,
     std::shared_ptr<Handler> handler) {
   RDMARPC_RETURN_IF_ERROR(CreditWindow::Validate(WindowOptions(config)));
+  if (config.send_queue_slots > kPostedSlotMask) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("send_queue_slots ", config.send_queue_slots, " exceeds ",
+                     kPostedSlotMask));
+  }
   int flags = fcntl(resources.completions->fd, F_GETFL);
   if (flags < 0 ||
       fcntl(resources.completions->fd, F_SETFL, flags | O_NONBLOCK) < 0) {
@@ -67,6 +75,9 @@ Connection::Connection(ConnectionResources resources,
       posted_(config.send_queue_slots) {
   for (uint32_t i = 0; i < config.peer_receives; ++i) {
     free_send_buffers_.push_back(static_cast<int>(i));
+  }
+  for (uint32_t i = 0; i < config.send_queue_slots; ++i) {
+    free_posted_.push_back(i);
   }
 }
 
@@ -174,7 +185,7 @@ Status Connection::PostSendBufferLocked(size_t bytes,
   sge.length = static_cast<uint32_t>(bytes);
   sge.lkey = res_.send_mr->lkey;
   ibv_send_wr wr{};
-  wr.wr_id = next_wr_id_++;
+  RDMARPC_ASSIGN_OR_RETURN(wr.wr_id, NextWrIdLocked());
   wr.sg_list = &sge;
   wr.num_sge = 1;
   wr.opcode = IBV_WR_SEND;
@@ -189,27 +200,36 @@ Status Connection::PostSendBufferLocked(size_t bytes,
   return absl::OkStatus();
 }
 
+StatusOr<uint64_t> Connection::NextWrIdLocked() {
+  // The window keeps at most send_queue_slots posted, so a slot is free
+  // whenever it lets a request go.
+  if (free_posted_.empty()) {
+    return absl::InternalError("no free slot for a send work request");
+  }
+  return (next_wr_id_++ << kPostedSlotBits) | free_posted_.back();
+}
+
 Status Connection::TrackPostedLocked(uint64_t wr_id, int send_buffer,
                                      std::function<void(Status)> done) {
-  Posted& slot = posted_[wr_id % posted_.size()];
-  if (slot.wr_id != 0) {
-    // The window keeps at most send_queue_slots posted, and an RC send
-    // queue completes in order, so this cannot happen.
-    return absl::InternalError(absl::StrCat("send work request ", wr_id,
-                                            " would replace ", slot.wr_id,
-                                            ", still posted"));
+  const uint32_t slot = static_cast<uint32_t>(wr_id & kPostedSlotMask);
+  if (free_posted_.empty() || free_posted_.back() != slot) {
+    return absl::InternalError(absl::StrCat(
+        "send work request ", wr_id, " does not hold the next free slot"));
   }
-  slot = Posted{wr_id, send_buffer, std::move(done)};
+  free_posted_.pop_back();
+  posted_[slot] = Posted{wr_id, send_buffer, std::move(done)};
   ++posted_count_;
   return absl::OkStatus();
 }
 
 Connection::Posted* Connection::FindPostedLocked(uint64_t wr_id) {
-  Posted& slot = posted_[wr_id % posted_.size()];
-  return slot.wr_id == wr_id ? &slot : nullptr;
+  const uint64_t slot = wr_id & kPostedSlotMask;
+  if (slot >= posted_.size() || posted_[slot].wr_id != wr_id) return nullptr;
+  return &posted_[slot];
 }
 
 void Connection::ForgetPostedLocked(Posted* posted) {
+  free_posted_.push_back(static_cast<uint32_t>(posted - posted_.data()));
   *posted = Posted{};
   --posted_count_;
 }
@@ -223,7 +243,7 @@ Status Connection::PostWritePieceLocked(PendingWrite& write, bool* finished) {
   sge.length = static_cast<uint32_t>(piece);
   sge.lkey = r.lkey;
   ibv_send_wr wr{};
-  wr.wr_id = next_wr_id_++;
+  RDMARPC_ASSIGN_OR_RETURN(wr.wr_id, NextWrIdLocked());
   wr.sg_list = piece == 0 ? nullptr : &sge;
   wr.num_sge = piece == 0 ? 0 : 1;
   wr.opcode =

@@ -231,7 +231,11 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // with the credits to return. The caller took the window's slot.
   Status PostSendBufferLocked(size_t bytes, std::function<void(Status)> sent,
                               bool credit_only);
-  // posted_ by work request id: a ring as deep as the send queue.
+  // The id of the next send work request: a sequence number over the
+  // free posted_ slot it takes. A slot is not reused by wr_id order: a
+  // write posted aside completes after frames posted after it.
+  StatusOr<uint64_t> NextWrIdLocked();
+  // Fills the slot `wr_id` names (the next free one) once it is posted.
   Status TrackPostedLocked(uint64_t wr_id, int send_buffer,
                            std::function<void(Status)> done);
   Posted* FindPostedLocked(uint64_t wr_id);
@@ -264,7 +268,8 @@ class Connection : public std::enable_shared_from_this<Connection>,
   std::deque<PendingFrame> frames_;
   std::deque<PendingWrite> writes_;
   std::vector<int> free_send_buffers_;
-  std::vector<Posted> posted_;  // see TrackPostedLocked
+  std::vector<Posted> posted_;         // see TrackPostedLocked
+  std::vector<uint32_t> free_posted_;  // slots of posted_ not in use
   // Write pieces handed to the poster thread and not yet posted. While
   // any are, later pieces go the same way, so they post in order (the
   // immediate that announces a write must not overtake its bytes).

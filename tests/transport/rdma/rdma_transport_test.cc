@@ -427,13 +427,14 @@ TEST(RdmaTransport, CreditsRunOutUnderASlowHandlerAndCallsWait) {
 
 // Arms fault point `hold`, starts an echo of `size` bytes on `large` (with
 // `response_only`, a request without a tensor answered with `size` bytes),
-// and once the thread it holds has armed `held`, makes 20 calls on `small`
-// (of 200 and `small_bytes` bytes), which must finish while the large one
-// does not; then lets it go and checks its answer.
+// and once the thread it holds has armed `held`, makes `small_calls` calls
+// on `small` (of 200 and `small_bytes` bytes), which must finish while the
+// large one does not; then lets it go and checks its answer.
 void SmallCallsGoOnWhileALargeOneIsHeld(E2E::Stub* large, E2E::Stub* small,
                                         size_t size, size_t small_bytes,
                                         const char* hold, const char* held,
-                                        bool response_only = false) {
+                                        bool response_only = false,
+                                        int small_calls = 20) {
   rdmarpc::internal::fault::Arm(hold);
   std::vector<uint8_t> bytes = Pattern(size, 7);
   ClientContext ctx;
@@ -454,7 +455,7 @@ void SmallCallsGoOnWhileALargeOneIsHeld(E2E::Stub* large, E2E::Stub* small,
     if (!waiting) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_TRUE(waiting) << held << " never armed";
-  for (int i = 0; i < 20; ++i) {
+  for (int i = 0; i < small_calls; ++i) {
     EXPECT_TRUE(EchoOnce(small, i % 2 ? small_bytes : 200, 10 + i));
   }
   std::future<rdmarpc::Status> done = large_done.get_future();
@@ -523,21 +524,31 @@ bool AllDevicesAreSoftware() {
   return all;
 }
 
+// Writes posted aside (ConnectionConfig::post_aside_bytes): only software
+// devices post them so.
+class PostAside : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!AllDevicesAreSoftware()) {
+      GTEST_SKIP() << "a NIC's post only rings a doorbell: nothing is posted "
+                      "aside";
+    }
+    server_ = StartServer(&service_, &port_);
+    ASSERT_NE(server_, nullptr);
+  }
+
+  Service service_;
+  int port_ = 0;
+  std::unique_ptr<rdmarpc::Server> server_;
+};
+
 // A software device's post moves a write's bytes before it returns: large
 // writes are posted by the poster thread, so calls on other connections go
 // on meanwhile. The poster is held (fault point) until they are done.
-TEST(RdmaTransport, CallsOnOtherConnectionsGoOnWhileALargeWriteIsPosted) {
-  if (!AllDevicesAreSoftware()) {
-    GTEST_SKIP() << "a NIC's post only rings a doorbell: nothing is posted "
-                    "aside";
-  }
-  Service service;
-  int port = 0;
-  auto server = StartServer(&service, &port);
-  ASSERT_NE(server, nullptr);
-  auto large_channel = RdmaChannel(port);
+TEST_F(PostAside, CallsOnOtherConnectionsGoOnWhileALargeWriteIsPosted) {
+  auto large_channel = RdmaChannel(port_);
   auto large_stub = E2E::NewStub(large_channel);
-  auto small_stub = E2E::NewStub(RdmaChannel(port));
+  auto small_stub = E2E::NewStub(RdmaChannel(port_));
   ASSERT_TRUE(EchoOnce(small_stub.get(), 100, 1));
   // 512 KiB: under the 1 MiB at which landing memory is registered aside,
   // over the 64 KiB at which writes are posted aside; the small calls'
@@ -546,6 +557,21 @@ TEST(RdmaTransport, CallsOnOtherConnectionsGoOnWhileALargeWriteIsPosted) {
       large_stub.get(), small_stub.get(), size_t{512} << 10, 30000,
       "rdma.post_aside.hold", "rdma.post_aside.held");
   EXPECT_EQ(large_channel->transport_stats().rdma_writes_posted_aside, 1u);
+}
+
+// Frames posted after a write that waits for the poster complete before
+// it: more of them than the send queue is deep must not reuse the write's
+// bookkeeping slot (they did, and the connection closed with an internal
+// error).
+TEST_F(PostAside, ManyCallsOnTheSameConnectionGoOnWhileItsLargeWriteWaits) {
+  auto channel = RdmaChannel(port_);
+  auto stub = E2E::NewStub(channel);
+  ASSERT_TRUE(EchoOnce(stub.get(), 100, 1));
+  // 300 calls send 300 requests: more than the 256 send queue slots.
+  SmallCallsGoOnWhileALargeOneIsHeld(
+      stub.get(), stub.get(), size_t{512} << 10, 300, "rdma.post_aside.hold",
+      "rdma.post_aside.held", /*response_only=*/false, /*small_calls=*/300);
+  EXPECT_EQ(channel->transport_stats().rdma_writes_posted_aside, 1u);
 }
 
 TEST(RdmaTransport, OneGibibyteTensor) {
