@@ -14,6 +14,8 @@ packages=(
   clang-14 libclang-rt-14-dev
   # bench/run_all.sh: plots.
   python3-matplotlib linux-perf valgrind
+  # tests/rdma_vm/dump_hung_tests.sh: stacks of a test that hangs.
+  gdb procps
   # The soft-RoCE VM (tests/rdma_vm) and the RDMA smoke checks inside it.
   qemu-system-x86 busybox-static cpio kmod iproute2 xz-utils
   rdma-core ibverbs-utils ibverbs-providers rdmacm-utils perftest

@@ -84,7 +84,10 @@ if [ "$sanitizers" = 1 ]; then
 fi
 
 # One VM boot: the rdma group in each tree, then the fault tests in each.
+# A test that hangs gets its threads' stacks printed (then ctest's timeout).
 vm_script="s=0
+'$root/tests/rdma_vm/dump_hung_tests.sh' 240 &
+watcher=\$!
 cd '$root/$build_dir' && ctest --output-on-failure -L '^rdma\$' || s=1"
 # The TSan tree skips the 1 GiB tensor: with TSan's shadow memory it does
 # not fit the VM, and the plain and ASan trees run it.
@@ -101,6 +104,7 @@ cd '$root/build-asan' && ctest --output-on-failure -L '^fault\$' || s=1
 cd '$root/build-tsan' && ctest --output-on-failure -L '^fault\$' || s=1"
 fi
 vm_script+="
+kill \$watcher
 exit \$s"
 RDMARPC_VM_VERBOSE=1 timed "rdma groups and fault tests in the VM (boot included)" \
   "$root/tests/rdma_vm/run.sh" sh -c "$vm_script" || status=1
