@@ -161,9 +161,10 @@ class RdmarpcTarget final : public Target {
       options.rdma_connect_timeout = std::chrono::minutes(2);
       options.rdma_peer_timeout = std::chrono::milliseconds(0);
     }
-    // RDMARPC_BENCH_CALLBACKS_INLINE=1: callbacks on the completion engine.
+    // RDMARPC_BENCH_CALLBACKS_INLINE=0: callbacks on the runtime's callback
+    // thread instead of the completion engine (the default).
     const char* cb_inline = std::getenv("RDMARPC_BENCH_CALLBACKS_INLINE");
-    options.run_callbacks_inline = cb_inline != nullptr && *cb_inline == '1';
+    options.run_callbacks_inline = cb_inline == nullptr || *cb_inline != '0';
     expected_ = policy == rdmarpc::TransportPolicy::kRdma
                     ? rdmarpc::TransportKind::kRdma
                     : rdmarpc::TransportKind::kGrpc;

@@ -64,7 +64,8 @@ std::string ChannelTransportStats::ToString() const {
                   ", credit frames: ", rdma_credit_frames_sent,
                   ", waits for credit: ", rdma_waits_for_credit,
                   ", watcher wake-ups: ", rdma_watch_wakeups,
-                  ", found by waiting callers: ", rdma_caller_polls, "\n");
+                  ", found by waiting callers: ", rdma_caller_polls,
+                  ", callback stalls: ", rdma_callback_stalls, "\n");
   return out;
 }
 

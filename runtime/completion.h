@@ -8,6 +8,7 @@
 #ifndef RDMARPC_RUNTIME_COMPLETION_H_
 #define RDMARPC_RUNTIME_COMPLETION_H_
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <thread>
@@ -34,6 +35,10 @@ class DeferredCompletion {
 
 // Runs `task` on the runtime's own callback thread.
 void RunOnCallbackThread(std::function<void()> task);
+
+// User code run on a completion thread (an inline handler or callback)
+// that holds it this long counts as a stall of every connection it serves.
+inline constexpr std::chrono::milliseconds kCompletionThreadStall{1};
 
 // Marks the calling thread as one that completes calls (the RDMA
 // completion engine): a blocking call made on it would wait for itself.

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/call_log.h"
+#include "runtime/completion.h"
 #include "runtime/random.h"
 #include "runtime/spin.h"
 #include "runtime/thread_pool.h"
@@ -49,9 +50,6 @@ void ServerContext::set_cuda_stream(void* stream) {
 
 namespace internal {
 namespace {
-
-// An inline handler that holds its thread this long counts as a stall.
-constexpr std::chrono::milliseconds kInlineStall(1);
 
 bool AnyBlocking(
     const absl::flat_hash_map<std::string, ServerMethod>& methods) {
@@ -169,7 +167,8 @@ class ServerDispatcher final : public Dispatcher {
         status = absl::InternalError(
             absl::StrCat("handler of ", m.path, " threw a non-exception"));
       }
-      if (on_receiver && clock.Now() - began >= clock.Ticks(kInlineStall)) {
+      if (on_receiver &&
+          clock.Now() - began >= clock.Ticks(kCompletionThreadStall)) {
         inline_stalls_.fetch_add(1, std::memory_order_relaxed);
       }
       done(std::move(status), std::move(response));

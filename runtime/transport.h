@@ -92,6 +92,9 @@ struct FastPathCounters {
   uint64_t watch_wakeups = 0;
   // Times a blocked caller found completions polling the queue itself.
   uint64_t caller_polls = 0;
+  // Callbacks run inline that held the completion thread for
+  // kCompletionThreadStall or more.
+  uint64_t callback_stalls = 0;
 };
 
 // A transport connected at run time that may be lost (RDMA).

@@ -202,6 +202,7 @@ ChannelTransportStats TransportRouter::stats() {
     stats.rdma_waits_for_credit = c.waits_for_credit;
     stats.rdma_watch_wakeups = c.watch_wakeups;
     stats.rdma_caller_polls = c.caller_polls;
+    stats.rdma_callback_stalls = c.callback_stalls;
   }
   return stats;
 }

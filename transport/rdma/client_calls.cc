@@ -10,6 +10,7 @@
 #include "runtime/coarse_clock.h"
 #include "runtime/completion.h"
 #include "runtime/fault_injection.h"
+#include "runtime/spin.h"
 #include "transport/rdma/payload.h"
 
 namespace rdmarpc::rdma {
@@ -369,7 +370,15 @@ void ClientEndpoint::Complete(Outcomes outcomes) {
     stats->tensor_bytes_received = r.received_bytes;
     stats->cpu_copied_bytes += r.out.cpu_copied_bytes + r.response_copied;
     if (r.call.done_runs_inline) {
+      // A callback that blocks here holds up every connection this thread
+      // polls: counted, so that it shows (rdma_callback_stalls).
+      const internal::SpinClock& clock = internal::SpinClock::Get();
+      const uint64_t began = clock.Now();
       r.call.done(std::move(o.status));
+      if (clock.Now() - began >=
+          clock.Ticks(internal::kCompletionThreadStall)) {
+        callback_stalls_.fetch_add(1, std::memory_order_relaxed);
+      }
       continue;
     }
     internal::RunOnCallbackThread(

@@ -96,6 +96,12 @@ class ClientEndpoint final
   Status OnWriteLanded(uint32_t immediate) override;
   void OnClosed(const Status& why) override;
 
+  // Completions run inline that held their thread for
+  // internal::kCompletionThreadStall or more.
+  uint64_t callback_stalls() const {
+    return callback_stalls_.load(std::memory_order_relaxed);
+  }
+
  private:
   Status OnGrant(const FrameView& frame, Outcomes* outcomes);
   Status OnResponse(const FrameView& frame, Outcomes* outcomes);
@@ -133,6 +139,7 @@ class ClientEndpoint final
   const std::string description_;
   WireLimits limits_;
 
+  std::atomic<uint64_t> callback_stalls_{0};
   mutable std::mutex mu_;
   std::shared_ptr<Connection> conn_;
   std::shared_ptr<RegistrationCache> cache_;

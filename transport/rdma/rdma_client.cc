@@ -246,6 +246,7 @@ internal::FastPathCounters RdmaClientTransport::counters() const {
   internal::FastPathCounters c = conn_->counters();
   c.watch_wakeups = watch_wakeups_.load(std::memory_order_relaxed);
   c.caller_polls = conn_->caller_polls_found();
+  c.callback_stalls = endpoint_->callback_stalls();
   return c;
 }
 

@@ -57,16 +57,20 @@ struct ChannelOptions {
   // channel does not keep returning to a bad path.
   std::chrono::milliseconds rdma_probe_initial_backoff{100};
   std::chrono::milliseconds rdma_probe_max_backoff{5000};
-  // CallAsync's callbacks of calls that complete over RDMA run on the RDMA
-  // completion thread itself, without a hand-off to the runtime's callback
-  // thread (a futex wake-up and a thread switch per call). Such a callback
-  // must not block: it holds up every RDMA connection of the process, and a
-  // blocking Channel::Call made in it fails with FAILED_PRECONDITION (it
-  // would wait for the thread it runs on). It may start calls with
-  // CallAsync. Calls over gRPC still complete on gRPC's threads. A thread
+  // true (the default): CallAsync's callbacks of calls that complete over
+  // RDMA run on the RDMA completion thread itself, without a hand-off to
+  // the runtime's callback thread (a futex wake-up and a thread switch per
+  // call). Such a callback must not block: it holds up every RDMA
+  // connection of the process (one that holds the thread 1 ms or more
+  // counts in ChannelTransportStats::rdma_callback_stalls), and a blocking
+  // Channel::Call made in it fails with FAILED_PRECONDITION (it would wait
+  // for the thread it runs on). It may start calls with CallAsync. A thread
   // blocked in Channel::Call on the same channel polls the connection too,
   // so such a callback may also run there, under the same rules.
-  bool run_callbacks_inline = false;
+  // false: callbacks run on the runtime's callback threads
+  // (`rdmarpc-done`), where they may block. Calls over gRPC complete on
+  // gRPC's threads either way.
+  bool run_callbacks_inline = true;
 
   // How RDMA reaches tensors in GPU memory (see GpuRdmaMode in
   // rdmarpc/memory.h); CallStats::gpu_rdma_mode says what each call used.
@@ -127,6 +131,11 @@ struct ChannelTransportStats {
   // connection's queue itself while it waited (its response then completed
   // on its own thread, not handed over by the completion engine).
   uint64_t rdma_caller_polls = 0;
+  // Callbacks run on the completion thread (run_callbacks_inline) that
+  // held it for 1 ms or more: each stalled every RDMA connection that
+  // thread serves. A channel that counts them should block less in its
+  // callbacks, or set run_callbacks_inline to false.
+  uint64_t rdma_callback_stalls = 0;
 };
 
 }  // namespace rdmarpc

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <deque>
 #include <future>
+#include <iostream>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -94,8 +95,8 @@ std::unique_ptr<rdmarpc::Server> StartInlineServer(Service* service,
   return server.ok() ? std::move(*server) : nullptr;
 }
 
-std::shared_ptr<rdmarpc::Channel> RdmaChannel(int port) {
-  rdmarpc::ChannelOptions options;
+std::shared_ptr<rdmarpc::Channel> RdmaChannel(
+    int port, rdmarpc::ChannelOptions options = {}) {
   options.policy = rdmarpc::TransportPolicy::kRdma;
   // Generous: these tests are about calls, not connect speed, and 32
   // simultaneous connects take seconds in a TCG VM under TSan.
@@ -253,20 +254,16 @@ std::string ThreadName() {
   return name;
 }
 
-// With run_callbacks_inline a callback runs on the completion engine: it may
-// chain calls with CallAsync, a blocking call there is refused (it would
-// wait for its own thread), and the channel may be dropped there.
-TEST(RdmaTransport, CallbacksRunOnTheCompletionThreadWhenAsked) {
+// By default (run_callbacks_inline) a callback runs on the completion
+// engine: it may chain calls with CallAsync, a blocking call there is
+// refused (it would wait for its own thread), and the channel may be
+// dropped there.
+TEST(RdmaTransport, CallbacksRunOnTheCompletionThreadByDefault) {
   Service service;
   int port = 0;
   auto server = StartServer(&service, &port);
   ASSERT_NE(server, nullptr);
-  rdmarpc::ChannelOptions options;
-  options.policy = rdmarpc::TransportPolicy::kRdma;
-  options.rdma_connect_timeout = std::chrono::seconds(60);
-  options.run_callbacks_inline = true;
-  auto channel =
-      rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port), options);
+  auto channel = RdmaChannel(port);
   auto stub = E2E::NewStub(channel);
   ASSERT_TRUE(EchoOnce(stub.get(), 64, 1));  // connected over RDMA
 
@@ -342,21 +339,61 @@ TEST(RdmaTransport, BlockingCallersPollTheirOwnQueue) {
   EXPECT_GE(stats.rdma_caller_polls - before, 50u) << stats.ToString();
 }
 
-// Without it, callbacks run on the runtime's callback thread.
-TEST(RdmaTransport, CallbacksRunOnTheCallbackThreadByDefault) {
+// With run_callbacks_inline false, callbacks run on the runtime's callback
+// thread, where they may block.
+TEST(RdmaTransport, CallbacksRunOnTheCallbackThreadWhenAsked) {
   Service service;
   int port = 0;
   auto server = StartServer(&service, &port);
   ASSERT_NE(server, nullptr);
-  auto stub = E2E::NewStub(RdmaChannel(port));
+  rdmarpc::ChannelOptions options;
+  options.run_callbacks_inline = false;
+  auto stub = E2E::NewStub(RdmaChannel(port, options));
   ASSERT_TRUE(EchoOnce(stub.get(), 64, 1));
   std::promise<std::string> thread;
+  std::promise<rdmarpc::Status> blocking;
+  ClientContext ctx, blocking_ctx;
+  EchoRequest req;
+  EchoResponse resp, blocking_resp;
+  stub->Echo(&ctx, req, &resp, [&](rdmarpc::Status) {
+    thread.set_value(ThreadName());
+    blocking.set_value(stub->Echo(&blocking_ctx, req, &blocking_resp));
+  });
+  EXPECT_EQ(thread.get_future().get(), "rdmarpc-done");
+  rdmarpc::Status s = blocking.get_future().get();
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(blocking_ctx.stats().transport, rdmarpc::TransportKind::kRdma);
+}
+
+// An inline callback that holds the completion thread shows in the
+// channel's stats.
+TEST(RdmaTransport, ACallbackThatHoldsTheCompletionThreadIsCounted) {
+  Service service;
+  int port = 0;
+  auto server = StartServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  auto channel = RdmaChannel(port);
+  auto stub = E2E::NewStub(channel);
+  ASSERT_TRUE(EchoOnce(stub.get(), 64, 1));
+  std::promise<void> ran;
   ClientContext ctx;
   EchoRequest req;
   EchoResponse resp;
-  stub->Echo(&ctx, req, &resp,
-             [&](rdmarpc::Status) { thread.set_value(ThreadName()); });
-  EXPECT_EQ(thread.get_future().get(), "rdmarpc-done");
+  stub->Echo(&ctx, req, &resp, [&](rdmarpc::Status) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    ran.set_value();
+  });
+  ran.get_future().wait();
+  // Counted once the callback returns, just after it set the promise.
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (channel->transport_stats().rdma_callback_stalls == 0 &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  rdmarpc::ChannelTransportStats stats = channel->transport_stats();
+  EXPECT_GE(stats.rdma_callback_stalls, 1u) << stats.ToString();
+  EXPECT_NE(stats.ToString().find("callback stalls: "), std::string::npos)
+      << stats.ToString();
 }
 
 // An idle channel's watcher sleeps until the next call: no timer wakes it
@@ -801,7 +838,18 @@ TEST_F(ForgedPeerTest, WriteOutsideTheGrantFailsOnlyThatConnection) {
                            .immediate = grant.grant_id()},
                           [&](rdmarpc::Status s) { written.set_value(s); })
                   .ok());
-  rdmarpc::Status s = written.get_future().get();
+  auto result = written.get_future();
+  // The device answers the write with a remote access error. Once in a CI
+  // run (soft-RoCE), the write neither completed nor was retried and the
+  // server saw nothing for 250 s; a raw connection has no progress watch
+  // (a channel's would close it), so the test closes it: the write must
+  // then fail all the same.
+  if (result.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
+    std::cout << "note: the device did not complete the forged write in "
+                 "30 s; closing the connection\n";
+    (*conn)->Close(absl::CancelledError("the test gave up on the write"));
+  }
+  rdmarpc::Status s = result.get();
   EXPECT_FALSE(s.ok());
   EXPECT_TRUE(handler->WaitClosed());
   EXPECT_EQ(service_.echo_calls.load(), 0);
