@@ -72,7 +72,9 @@ struct ConnectionResources {
   // First, so they are freed after the queue pair and their registrations.
   std::unique_ptr<uint8_t[]> receive_buffers;
   std::unique_ptr<uint8_t[]> send_buffers;
-  EventChannel events;  // client side only: the id's own event channel
+  // The id's event channel: a client's own, or the server listener's
+  // (shared, so it stays open until this id is destroyed).
+  SharedEventChannel events;
   CmId id;
   ProtectionDomain pd;
   CompletionChannel completions;

@@ -77,7 +77,7 @@ StatusOr<ConnectData> DecodeConnectData(std::string_view bytes) {
   return data;
 }
 
-StatusOr<ConnectionResources> BuildResources(EventChannel events, CmId id,
+StatusOr<ConnectionResources> BuildResources(SharedEventChannel events, CmId id,
                                              ConnectionConfig* config) {
   ConnectionResources r;
   r.events = std::move(events);

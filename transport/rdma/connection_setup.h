@@ -49,7 +49,7 @@ std::string EncodeConnectData(const ConnectData& data);
 // on a software device (RDMARPC_RDMA_POST_ASIDE_BYTES overrides it on any
 // device, 0 turning it off).
 [[nodiscard]] StatusOr<ConnectionResources> BuildResources(
-    EventChannel events, CmId id, ConnectionConfig* config);
+    SharedEventChannel events, CmId id, ConnectionConfig* config);
 
 // The client side: resolves `address`:`port`, builds the connection, sends
 // the connect request with `token` and waits for ESTABLISHED. The returned

@@ -54,6 +54,9 @@ class CmListener {
   void Stop();
 
   const std::string& address() const { return address_; }
+  // The channel of the listener's ids and of the connections it accepts;
+  // each connection holds it until its id is destroyed.
+  const SharedEventChannel& channel() const { return channel_; }
   uint16_t port() const;
   // Empty while listening; else why not.
   std::string not_listening() const;
@@ -69,7 +72,7 @@ class CmListener {
 
   const std::string address_;
   const Events events_;
-  EventChannel channel_;
+  SharedEventChannel channel_;
   // Stop() writes here: the loop sleeps on the CM channel and this, with no
   // timeout while listening, so an idle server's listener never wakes.
   UniqueFd wake_fd_;

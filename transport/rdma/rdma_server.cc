@@ -128,7 +128,8 @@ void RdmaServerTransport::OnConnectRequest(const CmEvent& event) {
   auto endpoint = std::make_shared<ServerEndpoint>(
       dispatcher_, shared_, options_.inline_threshold, options_.gpu_rdma_mode,
       absl::StrCat("rdma:", peer_text), *client_id);
-  auto resources = BuildResources(EventChannel(), CmId(event.id), &config);
+  auto resources =
+      BuildResources(listener_->channel(), CmId(event.id), &config);
   if (!resources.ok()) {
     shared_->refused.fetch_add(1);
     return;  // the id went with the failed resources

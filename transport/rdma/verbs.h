@@ -42,6 +42,9 @@ struct VerbsDeleter {
 
 using EventChannel = std::unique_ptr<rdma_event_channel,
                                      VerbsDeleter<rdma_destroy_event_channel>>;
+// An event channel that every id on it keeps open: destroying an id whose
+// channel is gone fails, and librdmacm then leaks the id.
+using SharedEventChannel = std::shared_ptr<rdma_event_channel>;
 // Destroys the id; a queue pair made on it must go first (CmQueuePair).
 using CmId = std::unique_ptr<rdma_cm_id, VerbsDeleter<rdma_destroy_id>>;
 using ProtectionDomain = std::unique_ptr<ibv_pd, VerbsDeleter<ibv_dealloc_pd>>;
