@@ -1,6 +1,7 @@
 #include "transport/rdma/verbs.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <ifaddrs.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -57,6 +58,14 @@ StatusOr<EventChannel> CreateEventChannel() {
         std::strerror(err),
         "): is the rdma_ucm module loaded and /dev/infiniband/rdma_cm "
         "accessible?"));
+  }
+  // Non-blocking: an event that poll() reported is gone again when its id
+  // is destroyed meanwhile, and a blocking rdma_get_cm_event would then
+  // wait in the kernel for the next event, out of reach of a stop request
+  // (seen: a server's listener thread, and so its shutdown, hung there).
+  int flags = fcntl(channel->fd, F_GETFL);
+  if (flags < 0 || fcntl(channel->fd, F_SETFL, flags | O_NONBLOCK) != 0) {
+    return VerbsError("making the RDMA CM event channel non-blocking", errno);
   }
   return channel;
 }
@@ -143,8 +152,14 @@ StatusOr<CmEvent> NextCmEvent(rdma_event_channel* events,
         absl::StrCat("no CM event within ", timeout.count(), " ms"));
   }
   rdma_cm_event* event = nullptr;
+  errno = 0;
   if (rdma_get_cm_event(events, &event) != 0) {
-    return VerbsError("rdma_get_cm_event", LastErrno());
+    int err = LastErrno();
+    if (err == EAGAIN || err == EWOULDBLOCK) {
+      // Reported, then dropped with its id (CreateEventChannel).
+      return absl::DeadlineExceededError("the CM event went with its id");
+    }
+    return VerbsError("rdma_get_cm_event", err);
   }
   CmEvent out{event->event, event->id, event->listen_id, {}, event->status};
   if (event->param.conn.private_data != nullptr &&

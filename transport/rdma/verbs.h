@@ -79,6 +79,7 @@ class CmQueuePair {
 // "what: strerror (errno N)" with a canonical code for the errno.
 [[nodiscard]] Status VerbsError(absl::string_view what, int err);
 
+// A non-blocking CM event channel: NextCmEvent polls it.
 [[nodiscard]] StatusOr<EventChannel> CreateEventChannel();
 [[nodiscard]] StatusOr<CmId> CreateCmId(rdma_event_channel* events,
                                         void* context = nullptr);

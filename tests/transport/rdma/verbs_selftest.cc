@@ -4,12 +4,17 @@
 // SEND/RECV and RDMA WRITE WITH IMMEDIATE byte for byte.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <poll.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <future>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "transport/rdma/verbs.h"
@@ -319,6 +324,45 @@ TEST(VerbsErrors, ConnectWithNoListenerIsAnErrorNotAHang) {
   EXPECT_EQ(event.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_NE(event.status().message().find("REJECTED"), std::string::npos)
       << event.status();
+}
+
+// An event that poll() reported goes with its id when the id is destroyed
+// before the event is read. Reading the channel then must return at once:
+// a blocking read waits in the kernel for the next event, out of reach of a
+// stop request (a server's listener thread hung there in CI, and the
+// server's shutdown with it).
+TEST(VerbsErrors, AnEventGoneWithItsIdLeavesNoReadBlocked) {
+  auto addr = FindRdmaIpv4Address();
+  ASSERT_TRUE(addr.ok()) << addr.status();
+  auto events = CreateEventChannel();
+  ASSERT_TRUE(events.ok()) << events.status();
+  auto id = CreateCmId(events->get());
+  ASSERT_TRUE(id.ok());
+  sockaddr_in dst{};
+  dst.sin_family = AF_INET;
+  dst.sin_port = htons(1);
+  inet_pton(AF_INET, addr->c_str(), &dst.sin_addr);
+  ASSERT_EQ(rdma_resolve_addr(id->get(), nullptr,
+                              reinterpret_cast<sockaddr*>(&dst), 2000),
+            0);
+  pollfd pfd{(*events)->fd, POLLIN, 0};
+  ASSERT_EQ(poll(&pfd, 1, 10000), 1) << "no ADDR_RESOLVED event";
+  id->reset();  // its pending event goes with it
+  auto read = std::make_shared<std::promise<int>>();
+  auto result = read->get_future();
+  rdma_event_channel* channel = events->get();
+  std::thread([read, channel] {
+    rdma_cm_event* event = nullptr;
+    errno = 0;
+    int rc = rdma_get_cm_event(channel, &event);
+    if (rc == 0) rdma_ack_cm_event(event);
+    read->set_value(rc == 0 ? 0 : errno);
+  }).detach();
+  if (result.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    (void)events->release();  // the blocked thread still uses it
+    FAIL() << "rdma_get_cm_event blocked with no event left on the channel";
+  }
+  EXPECT_EQ(result.get(), EAGAIN);
 }
 
 }  // namespace
