@@ -292,34 +292,47 @@ TEST_F(VerbsSelfTest, WriteOutsideTheGrantFailsTheQueuePair) {
       << result.status();
 }
 
-TEST(VerbsErrors, ConnectWithNoListenerIsAnErrorNotAHang) {
-  auto addr = FindRdmaIpv4Address();
-  ASSERT_TRUE(addr.ok()) << addr.status();
-  auto events = CreateEventChannel();
-  ASSERT_TRUE(events.ok()) << events.status();
-  auto id = CreateCmId(events->get());
-  ASSERT_TRUE(id.ok());
-  sockaddr_in dst{};
-  dst.sin_family = AF_INET;
-  dst.sin_port = htons(1);  // nobody listens there
-  inet_pton(AF_INET, addr->c_str(), &dst.sin_addr);
-  ASSERT_EQ(rdma_resolve_addr(id->get(), nullptr,
-                              reinterpret_cast<sockaddr*>(&dst), 2000),
-            0);
+// An id on a channel of its own, resolving port 1 of this host's RDMA
+// address (nobody listens there); its ADDR_RESOLVED event follows.
+class VerbsErrors : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto addr = FindRdmaIpv4Address();
+    ASSERT_TRUE(addr.ok()) << addr.status();
+    auto events = CreateEventChannel();
+    ASSERT_TRUE(events.ok()) << events.status();
+    events_ = *std::move(events);
+    auto id = CreateCmId(events_.get());
+    ASSERT_TRUE(id.ok());
+    id_ = *std::move(id);
+    sockaddr_in dst{};
+    dst.sin_family = AF_INET;
+    dst.sin_port = htons(1);
+    inet_pton(AF_INET, addr->c_str(), &dst.sin_addr);
+    ASSERT_EQ(rdma_resolve_addr(id_.get(), nullptr,
+                                reinterpret_cast<sockaddr*>(&dst), 2000),
+              0);
+  }
+
+  EventChannel events_;
+  CmId id_;
+};
+
+TEST_F(VerbsErrors, ConnectWithNoListenerIsAnErrorNotAHang) {
   ASSERT_TRUE(
-      WaitCmEvent(events->get(), RDMA_CM_EVENT_ADDR_RESOLVED, kTimeout).ok());
-  ASSERT_EQ(rdma_resolve_route(id->get(), 2000), 0);
+      WaitCmEvent(events_.get(), RDMA_CM_EVENT_ADDR_RESOLVED, kTimeout).ok());
+  ASSERT_EQ(rdma_resolve_route(id_.get(), 2000), 0);
   ASSERT_TRUE(
-      WaitCmEvent(events->get(), RDMA_CM_EVENT_ROUTE_RESOLVED, kTimeout).ok());
-  auto pd = AllocatePd((*id)->verbs);
+      WaitCmEvent(events_.get(), RDMA_CM_EVENT_ROUTE_RESOLVED, kTimeout).ok());
+  auto pd = AllocatePd(id_->verbs);
   ASSERT_TRUE(pd.ok());
-  auto cq = CreateCq((*id)->verbs, 4);
+  auto cq = CreateCq(id_->verbs, 4);
   ASSERT_TRUE(cq.ok());
-  auto qp = CreateRcQp(id->get(), pd->get(), cq->get(), {});
+  auto qp = CreateRcQp(id_.get(), pd->get(), cq->get(), {});
   ASSERT_TRUE(qp.ok()) << qp.status();
   rdma_conn_param param{};
-  ASSERT_EQ(rdma_connect(id->get(), &param), 0);
-  auto event = WaitCmEvent(events->get(), RDMA_CM_EVENT_ESTABLISHED, kTimeout);
+  ASSERT_EQ(rdma_connect(id_.get(), &param), 0);
+  auto event = WaitCmEvent(events_.get(), RDMA_CM_EVENT_ESTABLISHED, kTimeout);
   ASSERT_FALSE(event.ok());
   EXPECT_EQ(event.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_NE(event.status().message().find("REJECTED"), std::string::npos)
@@ -331,26 +344,13 @@ TEST(VerbsErrors, ConnectWithNoListenerIsAnErrorNotAHang) {
 // a blocking read waits in the kernel for the next event, out of reach of a
 // stop request (a server's listener thread hung there in CI, and the
 // server's shutdown with it).
-TEST(VerbsErrors, AnEventGoneWithItsIdLeavesNoReadBlocked) {
-  auto addr = FindRdmaIpv4Address();
-  ASSERT_TRUE(addr.ok()) << addr.status();
-  auto events = CreateEventChannel();
-  ASSERT_TRUE(events.ok()) << events.status();
-  auto id = CreateCmId(events->get());
-  ASSERT_TRUE(id.ok());
-  sockaddr_in dst{};
-  dst.sin_family = AF_INET;
-  dst.sin_port = htons(1);
-  inet_pton(AF_INET, addr->c_str(), &dst.sin_addr);
-  ASSERT_EQ(rdma_resolve_addr(id->get(), nullptr,
-                              reinterpret_cast<sockaddr*>(&dst), 2000),
-            0);
-  pollfd pfd{(*events)->fd, POLLIN, 0};
+TEST_F(VerbsErrors, AnEventGoneWithItsIdLeavesNoReadBlocked) {
+  pollfd pfd{events_->fd, POLLIN, 0};
   ASSERT_EQ(poll(&pfd, 1, 10000), 1) << "no ADDR_RESOLVED event";
-  id->reset();  // its pending event goes with it
+  id_.reset();  // its pending event goes with it
   auto read = std::make_shared<std::promise<int>>();
   auto result = read->get_future();
-  rdma_event_channel* channel = events->get();
+  rdma_event_channel* channel = events_.get();
   std::thread([read, channel] {
     rdma_cm_event* event = nullptr;
     errno = 0;
@@ -359,7 +359,7 @@ TEST(VerbsErrors, AnEventGoneWithItsIdLeavesNoReadBlocked) {
     read->set_value(rc == 0 ? 0 : errno);
   }).detach();
   if (result.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
-    (void)events->release();  // the blocked thread still uses it
+    (void)events_.release();  // the blocked thread still uses it
     FAIL() << "rdma_get_cm_event blocked with no event left on the channel";
   }
   EXPECT_EQ(result.get(), EAGAIN);
