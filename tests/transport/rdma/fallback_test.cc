@@ -173,7 +173,10 @@ TEST_F(FallbackTest, ServerSilentOnRdmaIsDetectedAndTheCallResentOnce) {
   rdmarpc::ChannelTransportStats stats = channel->transport_stats();
   EXPECT_EQ(stats.last_trigger, "server silent on RDMA") << stats.ToString();
   EXPECT_EQ(stats.calls_resent, 1u);
-  EXPECT_EQ(stats.health, RdmaHealth::kDegraded);
+  // The channel left RDMA. Whether it is still degraded depends on timing:
+  // the server's CM accepts a probe while it ignores frames (seen under
+  // TSan: ready again by the time the re-sent call returned).
+  EXPECT_GE(stats.switches, 1u) << stats.ToString();
   fault::Disarm("rdma.server.ignore_frames");
   ASSERT_TRUE(WaitFor(channel.get(), RdmaHealth::kReady, 10s))
       << channel->transport_stats().ToString();
