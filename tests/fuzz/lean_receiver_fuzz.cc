@@ -67,13 +67,15 @@ std::vector<std::string> FuzzSeeds() {
   extra->add_shape(2);
   extra->set_data(std::string(8, '\1'));
   LeanHead head;
-  head.set_version(1);
+  head.set_version(rdmarpc::grpc_transport::kLeanVersion);
   head.set_message(outer.SerializeAsString());
   head.add_tensors()->set_out_of_band(true);
   head.mutable_tensors(0)->set_size(16);
   head.add_tensors()->set_size(8);
   std::string h = head.SerializeAsString();
+  head.set_first_chunk(std::string(5, 'c'));
+  std::string with_chunk = head.SerializeAsString();
   return {frame({h, std::string(16, 'x')}),
-          frame({h, std::string(7, 'a'), std::string(9, 'b')}), frame({h}),
-          frame({})};
+          frame({h, std::string(7, 'a'), std::string(9, 'b')}),
+          frame({with_chunk, std::string(11, 'd')}), frame({h}), frame({})};
 }

@@ -72,11 +72,11 @@ class LeanCall {
       if (!t.out_of_band) stats->cpu_copied_bytes += t.size;  // serialized
     }
     completion_ = std::make_shared<internal::DeferredCompletion>();
-    sender_.emplace(MakeHead(std::move(message), plan, call_.call_id), plan,
-                    chunk_bytes_, completion_);
+    RDMARPC_ASSIGN_OR_RETURN(
+        sender_, LeanSender::Create(std::move(message), plan, call_.call_id,
+                                    chunk_bytes_, completion_));
 
     gctx_.AddMetadata(kFramingKey, kFramingLean);
-    gctx_.AddMetadata(kCallIdKey, absl::StrCat(call_.call_id));
     if (call_.resend) {
       auto age = std::chrono::duration_cast<std::chrono::milliseconds>(
           std::chrono::steady_clock::now() - call_.resend->first_sent);

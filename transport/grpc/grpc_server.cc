@@ -15,7 +15,6 @@
 #include <optional>
 #include <thread>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "runtime/codec.h"
@@ -206,11 +205,6 @@ class ServerCall {
               absl::StrCat("malformed ", kResendKey, " '", value,
                            "' (want client.instance.age_ms)")));
         }
-      } else if (key == kCallIdKey) {
-        if (!absl::SimpleAtoi(value, &state_->call_id)) {
-          return FinishOnce(absl::InvalidArgumentError(
-              absl::StrCat("malformed ", kCallIdKey, " '", value, "'")));
-        }
       } else {
         state_->client_metadata.emplace(std::move(key), std::move(value));
       }
@@ -291,7 +285,7 @@ class ServerCall {
   }
 
   StatusOr<std::vector<TensorBuffer>> OnHead(const LeanHead& head) {
-    if (head.call_id() != 0) state_->call_id = head.call_id();
+    state_->call_id = head.call_id();
     RDMARPC_ASSIGN_OR_RETURN(
         internal::IncomingResult r,
         AcceptHead(head, request_.get(), state_->method().placement,
@@ -330,8 +324,10 @@ class ServerCall {
           "response message cannot be serialized (over protobuf's 2 GiB "
           "limit without its tensors?)"));
     }
-    sender_.emplace(MakeHead(std::move(message), *plan, 0), *plan,
-                    size_t{1} << 20, nullptr);
+    auto sender = LeanSender::Create(std::move(message), *plan, 0,
+                                     size_t{1} << 20, nullptr);
+    if (!sender.ok()) return FinishOnce(HandlerError(sender.status()));
+    sender_ = std::move(*sender);
     WriteNext();
   }
 

@@ -67,8 +67,6 @@ grpc::Slice ReferenceSlice(TensorBuffer bytes,
   return grpc::Slice(data, size, &ReleaseSlice, ref);
 }
 
-}  // namespace
-
 LeanHead MakeHead(std::string serialized_message,
                   const internal::OutgoingPlan& plan, uint64_t call_id) {
   LeanHead head;
@@ -82,6 +80,8 @@ LeanHead MakeHead(std::string serialized_message,
   }
   return head;
 }
+
+}  // namespace
 
 StatusOr<internal::IncomingResult> AcceptHead(
     const LeanHead& head, google::protobuf::Message* msg,
@@ -103,15 +103,34 @@ StatusOr<internal::IncomingResult> AcceptHead(
                                   std::move(owner), tensors);
 }
 
-LeanSender::LeanSender(LeanHead head, const internal::OutgoingPlan& plan,
-                       size_t chunk_bytes, std::shared_ptr<const void> keep)
-    : head_(std::move(head)),
-      chunk_bytes_(std::max<size_t>(chunk_bytes, 4096)),
-      keep_(std::move(keep)) {
+StatusOr<LeanSender> LeanSender::Create(std::string serialized_message,
+                                        const internal::OutgoingPlan& plan,
+                                        uint64_t call_id, size_t chunk_bytes,
+                                        std::shared_ptr<const void> keep) {
+  LeanSender sender(MakeHead(std::move(serialized_message), plan, call_id),
+                    std::max<size_t>(chunk_bytes, 4096), std::move(keep));
+  uint64_t out_of_band_bytes = 0;
   for (const internal::OutgoingTensor& t : plan.tensors) {
-    if (t.out_of_band) out_of_band_.push_back(t.buffer);
+    if (t.out_of_band) out_of_band_bytes += t.size;
   }
-  SkipEmpty();
+  if (out_of_band_bytes > kLeanHeadChunkBytes) {
+    for (const internal::OutgoingTensor& t : plan.tensors) {
+      if (t.out_of_band) sender.out_of_band_.push_back(t.buffer);
+    }
+    sender.SkipEmpty();
+    return sender;
+  }
+  std::string* chunk = sender.head_.mutable_first_chunk();
+  chunk->resize(out_of_band_bytes);
+  char* dst = chunk->data();
+  for (const internal::OutgoingTensor& t : plan.tensors) {
+    if (!t.out_of_band) continue;
+    RDMARPC_RETURN_IF_ERROR(CopyBytes(dst, Device::Host(), t.buffer.data(),
+                                      t.buffer.device(), t.size));
+    dst += t.size;
+  }
+  sender.copied_ = out_of_band_bytes;
+  return sender;
 }
 
 void LeanSender::SkipEmpty() {
@@ -184,7 +203,7 @@ Status LeanReceiver::OnHead(grpc::ByteBuffer* message) {
   }
   RDMARPC_ASSIGN_OR_RETURN(landing_, on_head_(head));
   while (tensor_ < landing_.size() && landing_[tensor_].empty()) ++tensor_;
-  return absl::OkStatus();
+  return Land(head.first_chunk().data(), head.first_chunk().size());
 }
 
 Status LeanReceiver::OnChunk(const grpc::ByteBuffer& message) {
@@ -193,28 +212,31 @@ Status LeanReceiver::OnChunk(const grpc::ByteBuffer& message) {
     return absl::InvalidArgumentError("lean framing: unreadable chunk");
   }
   for (const grpc::Slice& s : slices) {
-    const char* src = reinterpret_cast<const char*>(s.begin());
-    size_t left = s.size();
-    while (left > 0) {
-      if (tensor_ >= landing_.size()) {
-        return absl::InvalidArgumentError(
-            "lean framing: peer sent more tensor bytes than its head "
-            "announced");
-      }
-      TensorBuffer& dst = landing_[tensor_];
-      size_t n =
-          static_cast<size_t>(std::min<uint64_t>(left, dst.size() - offset_));
-      RDMARPC_RETURN_IF_ERROR(
-          CopyBytes(static_cast<char*>(dst.data()) + offset_, dst.device(), src,
-                    Device::Host(), n));
-      copied_ += n;
-      src += n;
-      left -= n;
-      offset_ += n;
-      while (tensor_ < landing_.size() && offset_ >= landing_[tensor_].size()) {
-        ++tensor_;
-        offset_ = 0;
-      }
+    RDMARPC_RETURN_IF_ERROR(
+        Land(reinterpret_cast<const char*>(s.begin()), s.size()));
+  }
+  return absl::OkStatus();
+}
+
+Status LeanReceiver::Land(const char* src, size_t size) {
+  while (size > 0) {
+    if (tensor_ >= landing_.size()) {
+      return absl::InvalidArgumentError(
+          "lean framing: peer sent more tensor bytes than its head "
+          "announced");
+    }
+    TensorBuffer& dst = landing_[tensor_];
+    size_t n =
+        static_cast<size_t>(std::min<uint64_t>(size, dst.size() - offset_));
+    RDMARPC_RETURN_IF_ERROR(CopyBytes(static_cast<char*>(dst.data()) + offset_,
+                                      dst.device(), src, Device::Host(), n));
+    copied_ += n;
+    src += n;
+    size -= n;
+    offset_ += n;
+    while (tensor_ < landing_.size() && offset_ >= landing_[tensor_].size()) {
+      ++tensor_;
+      offset_ = 0;
     }
   }
   return absl::OkStatus();

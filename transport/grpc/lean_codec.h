@@ -25,17 +25,16 @@
 
 namespace rdmarpc::grpc_transport {
 
-inline constexpr uint32_t kLeanVersion = 1;
+inline constexpr uint32_t kLeanVersion = 2;
 inline constexpr char kFramingKey[] = "rdmarpc-framing";
-inline constexpr char kFramingLean[] = "lean-1";
-inline constexpr char kCallIdKey[] = "rdmarpc-call-id";
+inline constexpr char kFramingLean[] = "lean-2";
+// Out-of-band bytes up to this total travel inside the head (copied), not as
+// chunk messages: below it a gRPC message costs more than the copy (see
+// docs/design.md, "gRPC transport").
+inline constexpr uint64_t kLeanHeadChunkBytes = 16 << 10;
 // On a call re-sent after its RDMA connection failed:
 // "<client id>.<server instance>.<ms since first sent>" (see call_log.h).
 inline constexpr char kResendKey[] = "rdmarpc-resend";
-
-// Builds the head for `serialized_message` and `plan`.
-LeanHead MakeHead(std::string serialized_message,
-                  const internal::OutgoingPlan& plan, uint64_t call_id);
 
 // Parses head.message() into `msg` and checks and binds its tensors as the
 // head describes them (see internal::AcceptIncoming for the arguments).
@@ -66,9 +65,14 @@ Status AcceptPlainRequest(grpc::ByteBuffer* bytes,
 
 class LeanSender {
  public:
-  // `keep` is held by every slice that references tensor memory.
-  LeanSender(LeanHead head, const internal::OutgoingPlan& plan,
-             size_t chunk_bytes, std::shared_ptr<const void> keep);
+  // The messages for `serialized_message` and the tensors of `plan`: the
+  // head, then chunks of at most `chunk_bytes`, or the head alone when the
+  // out-of-band bytes fit kLeanHeadChunkBytes. `keep` is held by every slice
+  // that references tensor memory. Fails if device memory cannot be copied.
+  static StatusOr<LeanSender> Create(std::string serialized_message,
+                                     const internal::OutgoingPlan& plan,
+                                     uint64_t call_id, size_t chunk_bytes,
+                                     std::shared_ptr<const void> keep);
 
   // Fills `out` with the next message; false when nothing is left. `*last`
   // tells whether `out` is the final message.
@@ -77,6 +81,11 @@ class LeanSender {
   uint64_t cpu_copied_bytes() const { return copied_; }
 
  private:
+  LeanSender(LeanHead head, size_t chunk_bytes,
+             std::shared_ptr<const void> keep)
+      : head_(std::move(head)),
+        chunk_bytes_(chunk_bytes),
+        keep_(std::move(keep)) {}
   bool Done() const;
   void SkipEmpty();
 
@@ -115,6 +124,8 @@ class LeanReceiver {
  private:
   Status OnHead(grpc::ByteBuffer* message);
   Status OnChunk(const grpc::ByteBuffer& message);
+  // Copies tensor bytes into the landing buffers where the last ones ended.
+  Status Land(const char* src, size_t size);
 
   HeadHandler on_head_;
   bool head_seen_ = false;

@@ -37,11 +37,22 @@ class RawCall final
   }
   grpc::Status Wait() { return result_.get_future().get(); }
 
+  std::vector<std::string> received;  // complete once Wait returned
+
   void OnWriteDone(bool ok) override {
     if (ok) WriteNext();
   }
   void OnReadDone(bool ok) override {
-    if (ok) StartRead(&in_);
+    if (!ok) return;
+    std::vector<grpc::Slice> slices;
+    std::string bytes;
+    if (in_.Dump(&slices).ok()) {
+      for (const grpc::Slice& s : slices) {
+        bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+      }
+    }
+    received.push_back(std::move(bytes));
+    StartRead(&in_);
   }
   void OnDone(const grpc::Status& s) override { result_.set_value(s); }
 
@@ -95,15 +106,18 @@ class LeanFramingTest : public ::testing::Test {
   }
 
   grpc::Status Send(std::vector<std::string> messages,
-                    std::string framing = "lean-1") {
+                    std::string framing = "lean-2",
+                    std::vector<std::string>* received = nullptr) {
     RawCall call(raw_stub_.get(), std::move(messages), std::move(framing));
-    return call.Wait();
+    grpc::Status s = call.Wait();
+    if (received != nullptr) *received = std::move(call.received);
+    return s;
   }
 
   // A head for an EchoRequest with one u8 tensor of `dim` elements whose
   // announced out-of-band size is `announced`.
   static std::string Head(int64_t dim, uint64_t announced, int parts = 1,
-                          uint32_t version = 1) {
+                          uint32_t version = 2, std::string first_chunk = "") {
     rdmarpc_test::EchoRequest req;
     req.mutable_tensor()->set_dtype(rdmarpc::DTYPE_U8);
     req.mutable_tensor()->add_shape(dim);
@@ -115,6 +129,7 @@ class LeanFramingTest : public ::testing::Test {
       p->set_out_of_band(true);
       p->set_size(announced);
     }
+    head.set_first_chunk(std::move(first_chunk));
     return head.SerializeAsString();
   }
 
@@ -149,6 +164,30 @@ class LeanFramingTest : public ::testing::Test {
   std::unique_ptr<grpc::GenericStub> raw_stub_;
 };
 
+// Well-formed: tensor bytes in the head, alone or followed by chunks. The
+// echo comes back as one message, its bytes in the head too.
+TEST_F(LeanFramingTest, BytesInTheHeadAreTheTensorsFirstBytes) {
+  const std::string bytes = "0123456789";
+  for (size_t in_head : {size_t{10}, size_t{4}}) {
+    std::vector<std::string> messages = {
+        Head(10, 10, 1, 2, bytes.substr(0, in_head))};
+    if (in_head < bytes.size()) messages.push_back(bytes.substr(in_head));
+    std::vector<std::string> received;
+    grpc::Status s = Send(messages, "lean-2", &received);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ASSERT_EQ(received.size(), 1u) << "a 10-byte echo takes one message";
+    LeanHead head;
+    ASSERT_TRUE(head.ParseFromString(received[0]));
+    EXPECT_EQ(head.first_chunk(), bytes);
+  }
+  EXPECT_EQ(impl_.calls.load(), 2);
+}
+
+TEST_F(LeanFramingTest, MoreBytesInTheHeadThanAnnounced) {
+  ExpectRejected(Send({Head(10, 10, 1, 2, std::string(11, 'x'))}),
+                 grpc::StatusCode::INVALID_ARGUMENT, "more tensor bytes");
+}
+
 TEST_F(LeanFramingTest, GarbageHead) {
   ExpectRejected(Send({std::string("\xff\xff\xff\xff\x0f", 5)}),
                  grpc::StatusCode::INVALID_ARGUMENT, "not a valid LeanHead");
@@ -160,14 +199,16 @@ TEST_F(LeanFramingTest, UnknownVersion) {
 }
 
 TEST_F(LeanFramingTest, UnknownFraming) {
-  ExpectRejected(Send({Head(4, 4)}, "lean-9"),
+  // lean-1 (before tensor bytes could travel in the head) included.
+  ExpectRejected(Send({Head(4, 4, 1, 1)}, "lean-1"),
                  grpc::StatusCode::INVALID_ARGUMENT,
-                 "unsupported rdmarpc framing");
+                 "unsupported rdmarpc framing 'lean-1' (this server speaks "
+                 "lean-2)");
 }
 
 TEST_F(LeanFramingTest, MessageThatDoesNotParse) {
   LeanHead head;
-  head.set_version(1);
+  head.set_version(2);
   head.set_message(std::string("\xff\xff\xff", 3));
   ExpectRejected(Send({head.SerializeAsString()}),
                  grpc::StatusCode::INVALID_ARGUMENT, "does not parse");
