@@ -87,6 +87,15 @@ Status CallLog::CheckUnknownRepeat(const ServerCallState& state,
   return absl::OkStatus();
 }
 
+Dispatcher::Completion CallLog::AnswerAside(Dispatcher::Completion done) const {
+  if (!options_.run_repeat_answer) return done;
+  return [run = options_.run_repeat_answer, done = std::move(done)](
+             Status s, std::unique_ptr<Message> r) {
+    auto response = std::make_shared<std::unique_ptr<Message>>(std::move(r));
+    run([done, s = std::move(s), response] { done(s, std::move(*response)); });
+  };
+}
+
 template <typename Why>
 void CallLog::Refuse(std::vector<Waiter>& waiters, Why why) {
   for (Waiter& w : waiters) w.done(why(w.state->call_id), nullptr);
@@ -136,7 +145,7 @@ bool CallLog::Admit(const std::shared_ptr<ServerCallState>& state,
     if (!refused.ok()) {
       ++stats_.repeats_refused;
       lock.unlock();
-      auto take = std::move(done);
+      Dispatcher::Completion take = AnswerAside(std::move(done));
       take(refused, nullptr);
       return false;
     }
@@ -159,7 +168,7 @@ bool CallLog::Admit(const std::shared_ptr<ServerCallState>& state,
         break;
       }
       if (r.waiters.empty()) waited_on_.push_back(it->first);
-      r.waiters.push_back({state, std::move(done)});
+      r.waiters.push_back({state, AnswerAside(std::move(done))});
       if (std::shared_ptr<ResponsePath> path = r.path.lock()) {
         lock.unlock();  // the close reports Undelivered, which takes mu_
         path->Abandon(ResentElsewhere(state->call_id));
@@ -178,7 +187,7 @@ bool CallLog::Admit(const std::shared_ptr<ServerCallState>& state,
   }
   // Answered outside the lock: the transport's completion may call back.
   lock.unlock();
-  Dispatcher::Completion answer = std::move(done);
+  Dispatcher::Completion answer = AnswerAside(std::move(done));
   if (source) {
     AnswerWithCopy(status, response.get(), source->tensors, state.get(),
                    answer);

@@ -64,6 +64,10 @@ class CallLog {
     // The time source (tests pass a fake one). Coarse: the log is read on
     // every logged call and its times are seconds long.
     std::function<Clock::time_point()> now = [] { return CoarseSteadyNow(); };
+    // Runs a repeat's answer; inline when empty. (The server answers on a
+    // worker: the log may answer from Delivered or Undelivered, which
+    // transports call with their own locks held.)
+    std::function<void(std::function<void()>)> run_repeat_answer;
   };
   struct Stats {
     uint64_t records = 0;           // now
@@ -145,6 +149,8 @@ class CallLog {
   // Runs every waiter's completion with `why(call id)`; not under mu_.
   template <typename Why>
   static void Refuse(std::vector<Waiter>& waiters, Why why);
+  // `done` of a repeat, made to run through options_.run_repeat_answer.
+  Dispatcher::Completion AnswerAside(Dispatcher::Completion done) const;
   // Why a repeat of a call the log does not know cannot run, or OK.
   Status CheckUnknownRepeat(const ServerCallState& state,
                             Clock::time_point now) const;

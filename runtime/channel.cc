@@ -96,11 +96,14 @@ namespace {
 // taken without a futex wake-up or a trip through the scheduler.
 class CallWaiter {
  public:
-  // On the thread that completes the call.
+  // On the thread that completes the call. The waiter may be gone once
+  // state_ is kDone, unless the caller sleeps: it then returns only after
+  // `woken_`, set here under mu_.
   void Complete(Status status) {
     status_ = std::move(status);
     if (state_.exchange(kDone, std::memory_order_acq_rel) == kSleeping) {
       std::lock_guard<std::mutex> lock(mu_);
+      woken_ = true;
       cv_.notify_one();
     }
   }
@@ -126,9 +129,7 @@ class CallWaiter {
       int waiting = kWaiting;
       if (state_.compare_exchange_strong(waiting, kSleeping,
                                          std::memory_order_acq_rel)) {
-        cv_.wait(lock, [this] {
-          return state_.load(std::memory_order_acquire) == kDone;
-        });
+        cv_.wait(lock, [this] { return woken_; });
       }
     }
     // Slept or not, the round trip sizes the next spin.
@@ -146,6 +147,7 @@ class CallWaiter {
   Status status_;  // written before state_ becomes kDone
   std::mutex mu_;
   std::condition_variable cv_;
+  bool woken_ = false;  // guarded by mu_
 };
 
 }  // namespace
@@ -160,16 +162,16 @@ Status Channel::Call(std::string_view method, ClientContext* ctx,
         "would stall every RDMA connection of the process, and over RDMA "
         "wait for its own thread; use CallAsync there");
   }
-  // Shared: the completing thread may still be in Complete() when a
-  // spinning caller sees kDone and returns.
-  auto waiter = std::make_shared<CallWaiter>();
+  // On the stack, and the callback holds only its address (no heap
+  // allocation): Wait returns after the last time Complete touches it.
+  CallWaiter waiter;
   const uint64_t posted = internal::SpinClock::Get().Now();
   TransportKind took = StartCall(
       method, ctx, request, response,
-      [waiter](Status s) { waiter->Complete(std::move(s)); },
+      [w = &waiter](Status s) { w->Complete(std::move(s)); },
       /*done_runs_inline=*/true, /*caller_drives=*/true);
   std::shared_ptr<internal::CallerPoll> poll = internal::TakeCallerPoll();
-  return waiter->Wait(took == TransportKind::kRdma ? posted : 0, poll.get());
+  return waiter.Wait(took == TransportKind::kRdma ? posted : 0, poll.get());
 }
 
 std::future<Status> Channel::CallFuture(

@@ -69,7 +69,11 @@ class ServerDispatcher final : public Dispatcher {
       : methods_(std::move(methods)),
         max_request_tensor_bytes_(max_request_tensor_bytes),
         run_inline_(run_inline),
-        log_(CallLog::Options{}, RandomNonZero()),
+        log_(CallLog::Options{.run_repeat_answer =
+                                  [this](std::function<void()> answer) {
+                                    pool_.Post(std::move(answer));
+                                  }},
+             RandomNonZero()),
         // Inline, the pool answers repeats from the log and runs the
         // methods marked blocking.
         pool_(run_inline && !AnyBlocking(methods_) ? 1 : workers,
@@ -109,45 +113,34 @@ class ServerDispatcher final : public Dispatcher {
   void Execute(std::shared_ptr<ServerCallState> state,
                std::shared_ptr<google::protobuf::Message> request,
                Completion done) override {
+    // `done` is run as it came: wrapping it would cost a heap allocation
+    // or two per call.
     if (state->client_id != 0) {
       state->logged = true;
-      // A repeat is answered from the log on a worker, never inline: the
-      // log may answer it from Delivered or Undelivered, which transports
-      // call with their own locks held.
-      Completion repeat =
-          [this, done](Status s, std::unique_ptr<google::protobuf::Message> r) {
-            auto response =
-                std::make_shared<std::unique_ptr<google::protobuf::Message>>(
-                    std::move(r));
-            pool_.Post([done, s = std::move(s), response] {
-              done(s, std::move(*response));
-            });
-          };
-      if (!log_.Admit(state, repeat)) return;
-      done = [this, state, done = std::move(done)](
-                 Status s, std::unique_ptr<google::protobuf::Message> r) {
-        log_.Finished(*state, s, r.get());
-        done(std::move(s), std::move(r));
-      };
+      if (!log_.Admit(state, done)) return;  // a repeat: the log answers it
     }
     const bool method_blocking = state->method().blocking;
     auto task = [this, state = std::move(state), request = std::move(request),
                  done = std::move(done)] {
+      auto finish = [&](Status s,
+                        std::unique_ptr<google::protobuf::Message> response) {
+        if (state->logged) log_.Finished(*state, s, response.get());
+        done(std::move(s), std::move(response));
+      };
       // A call whose caller gave up does not run: its deadline may pass,
       // or its cancel be lost with a broken connection, while it queues.
       if (state->deadline &&
           std::chrono::system_clock::now() >= *state->deadline) {
         not_started_past_deadline_.fetch_add(1, std::memory_order_relaxed);
-        done(absl::DeadlineExceededError(
-                 "deadline passed before the handler started"),
-             nullptr);
-        return;
+        return finish(absl::DeadlineExceededError(
+                          "deadline passed before the handler started"),
+                      nullptr);
       }
       if (state->cancelled.load()) {
         not_started_cancelled_.fetch_add(1, std::memory_order_relaxed);
-        done(absl::CancelledError("call cancelled before its handler ran"),
-             nullptr);
-        return;
+        return finish(
+            absl::CancelledError("call cancelled before its handler ran"),
+            nullptr);
       }
       started_.fetch_add(1, std::memory_order_relaxed);
       const MethodDescriptor& m = state->method().descriptor;
@@ -171,7 +164,7 @@ class ServerDispatcher final : public Dispatcher {
           clock.Now() - began >= clock.Ticks(kCompletionThreadStall)) {
         inline_stalls_.fetch_add(1, std::memory_order_relaxed);
       }
-      done(std::move(status), std::move(response));
+      finish(std::move(status), std::move(response));
     };
     if (run_inline_ && !method_blocking) {
       task();

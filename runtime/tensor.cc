@@ -94,7 +94,7 @@ Status CallTensors::Set(Tensor* field, DType dtype,
   field->set_device_index(buffer.device().index);
   field->set_byte_size(expected);
   field->clear_data();
-  bound_[field] = std::move(buffer);
+  Bind(*field, std::move(buffer));
   return absl::OkStatus();
 }
 
@@ -121,12 +121,22 @@ StatusOr<TensorView> CallTensors::Get(const Tensor& field) const {
 }
 
 const TensorBuffer* CallTensors::Find(const Tensor& field) const {
-  auto it = bound_.find(&field);
-  return it == bound_.end() ? nullptr : &it->second;
+  for (const auto& [bound, buffer] : few_) {
+    if (bound == &field) return &buffer;
+  }
+  if (many_.empty()) return nullptr;
+  auto it = many_.find(&field);
+  return it == many_.end() ? nullptr : &it->second;
 }
 
 void CallTensors::Bind(const Tensor& field, TensorBuffer buffer) {
-  bound_[&field] = std::move(buffer);
+  if (TensorBuffer* bound = const_cast<TensorBuffer*>(Find(field))) {
+    *bound = std::move(buffer);
+  } else if (few_.size() < kInlineBindings) {
+    few_.emplace_back(&field, std::move(buffer));
+  } else {
+    many_[&field] = std::move(buffer);
+  }
 }
 
 }  // namespace rdmarpc

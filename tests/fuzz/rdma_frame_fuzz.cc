@@ -78,16 +78,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         if (r->parts(0).size() <= kBudget) {
           const rdmarpc::internal::TensorPlacement host(
               rdmarpc::Device::Host());
-          auto in = ReceivePayload(r->parts(), frame->inline_bytes, kBudget, {},
-                                   host, &Outer::default_instance(),
-                                   {nullptr, rdmarpc::GpuRdmaMode::kAuto});
-          if (in.ok()) {
+          IncomingPayload in;
+          if (ReceivePayload(r->parts(), frame->inline_bytes, kBudget, {}, host,
+                             &Outer::default_instance(),
+                             {nullptr, rdmarpc::GpuRdmaMode::kAuto}, &in)
+                  .ok()) {
             uint64_t landing = 0;
-            for (const auto& b : in->landing) landing += b.size();
+            for (const auto& b : in.landing) landing += b.size();
             if (landing > kBudget + r->parts(0).size()) std::abort();
             Outer msg;
             rdmarpc::CallTensors tensors;
-            auto done = FinishPayload(&*in, &msg, host, kBudget, nullptr,
+            auto done = FinishPayload(&in, &msg, host, kBudget, nullptr,
                                       &tensors, nullptr);
             if (done.ok() && done->total_bytes > kBudget) std::abort();
           }

@@ -73,5 +73,42 @@ TEST(CallTensorsTest, GetOfUnboundFieldIsNotFoundUnlessInline) {
   EXPECT_EQ(view->size(), 3u);
 }
 
+// The first bindings are kept inline and later ones hashed: every one is
+// found, re-binding replaces, and Clear forgets both kinds.
+TEST(CallTensorsTest, ManyBindingsAreEachFoundAndReplaced) {
+  CallTensors tensors;
+  constexpr int kFields = 9;
+  Tensor fields[kFields];
+  uint8_t bytes[kFields][4] = {};
+  for (int i = 0; i < kFields; ++i) {
+    ASSERT_TRUE(tensors
+                    .Set(&fields[i], DTYPE_U8, {4},
+                         TensorBuffer::Borrow(bytes[i], sizeof(bytes[i])))
+                    .ok());
+  }
+  for (int i = 0; i < kFields; ++i) {
+    auto view = tensors.Get(fields[i]);
+    ASSERT_TRUE(view.ok()) << i;
+    EXPECT_EQ(view->data(), bytes[i]) << i;
+  }
+  uint8_t other[2][4] = {};
+  for (int k : {1, kFields - 1}) {
+    uint8_t* replacement = other[k == 1 ? 0 : 1];
+    ASSERT_TRUE(tensors
+                    .Set(&fields[k], DTYPE_U8, {4},
+                         TensorBuffer::Borrow(replacement, 4))
+                    .ok());
+    auto view = tensors.Get(fields[k]);
+    ASSERT_TRUE(view.ok());
+    EXPECT_EQ(view->data(), replacement) << k;
+  }
+  tensors.Clear();
+  for (int i = 0; i < kFields; ++i) {
+    EXPECT_EQ(tensors.Get(fields[i]).status().code(),
+              absl::StatusCode::kNotFound)
+        << i;
+  }
+}
+
 }  // namespace
 }  // namespace rdmarpc

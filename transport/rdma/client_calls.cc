@@ -502,38 +502,38 @@ Status ClientEndpoint::OnResponse(const FrameView& frame, Outcomes* outcomes) {
   }
   ClientContext* ctx = r.call.ctx;
   const uint64_t call_id = head.call_id();
-  auto in = ReceivePayload(
+  Status received = ReceivePayload(
       head.parts(), frame.inline_bytes, r.call.max_response_tensor_bytes,
       ctx->response_tensor_buffers(), ctx->response_placement(), nullptr,
-      {conn_->pd(), gpu_mode_});
+      {conn_->pd(), gpu_mode_}, &r.in);
   const bool server_waits =
       std::any_of(head.parts().begin(), head.parts().end(),
                   [](const Part& p) { return p.out_of_band(); });
-  if (!in.ok()) {
-    FailResponseLocked(call_id, in.status(), server_waits, outcomes);
+  if (!received.ok()) {
+    FailResponseLocked(call_id, std::move(received), server_waits, outcomes);
     return absl::OkStatus();
   }
   uint64_t landing_bytes = 0;
-  for (const TensorBuffer& b : in->landing) landing_bytes += b.size();
+  for (const TensorBuffer& b : r.in.landing) landing_bytes += b.size();
   if (landing_bytes >= kRegisterAsideBytes) {
     // Pinning its pages would hold the engine, and so every connection it
-    // polls: registered aside, and granted from there.
+    // polls: registered aside, and granted from there (GrantRegistered
+    // gives the payload back).
     r.landing_aside = true;
     r.stage = ClientRecord::Stage::kRegisteringResponse;
     RunAside([self = shared_from_this(), call_id,
-              in = std::make_shared<IncomingPayload>(*std::move(in)),
+              in = std::make_shared<IncomingPayload>(std::exchange(r.in, {})),
               conn = conn_] {
       Status registered = RegisterLandingMemory(in.get(), conn->pd());
       self->GrantRegistered(call_id, std::move(*in), std::move(registered));
     });
     return absl::OkStatus();
   }
-  Status registered = RegisterLandingMemory(&*in, conn_->pd());
+  Status registered = RegisterLandingMemory(&r.in, conn_->pd());
   if (!registered.ok()) {
     FailResponseLocked(call_id, registered, server_waits, outcomes);
     return absl::OkStatus();
   }
-  r.in = *std::move(in);
   GrantResponseLocked(call_id, outcomes);
   return absl::OkStatus();
 }
@@ -697,9 +697,13 @@ void ClientEndpoint::OnClosed(const Status& why) {
     // The queue pair is gone: nothing writes into these calls' memory.
     for (auto& [id, r] : calls_) r->writes_pending = 0;
     auto now = Clock::now();
-    while (!calls_.empty()) {
-      ClientRecord& r = *calls_.begin()->second;
-      uint64_t id = calls_.begin()->first;
+    // In the order they were made: re-sends go out that way.
+    std::vector<uint64_t> ids;
+    ids.reserve(calls_.size());
+    for (const auto& [id, r] : calls_) ids.push_back(id);
+    std::sort(ids.begin(), ids.end());
+    for (uint64_t id : ids) {
+      ClientRecord& r = *calls_.at(id);
       if (r.deferred) {
         Status decided = *r.deferred;  // cancelled or expired already
         FinishLocked(id, decided, &outcomes);

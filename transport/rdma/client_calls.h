@@ -17,13 +17,13 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/inlined_vector.h"
 #include "runtime/transport.h"
 #include "transport/rdma/connection.h"
@@ -144,7 +144,8 @@ class ClientEndpoint final
   std::shared_ptr<Connection> conn_;
   std::shared_ptr<RegistrationCache> cache_;
   Status closed_;
-  std::map<uint64_t, std::unique_ptr<ClientRecord>> calls_;
+  // Hashed: a call costs no tree node (heap allocation).
+  absl::flat_hash_map<uint64_t, std::unique_ptr<ClientRecord>> calls_;
   GrantTable grants_;
   std::set<uint64_t> early_cancels_;
   std::chrono::steady_clock::time_point last_pong_;

@@ -245,13 +245,13 @@ StatusOr<int> WriteGrantedParts(const FrameView& frame,
   return queued;
 }
 
-StatusOr<IncomingPayload> ReceivePayload(
-    const google::protobuf::RepeatedPtrField<Part>& parts,
-    std::string_view inline_bytes, uint64_t max_tensor_bytes,
-    std::span<const TensorBuffer> supplied,
-    const internal::TensorPlacement& placement,
-    const google::protobuf::Message* prototype, const GpuAccess& gpu) {
-  IncomingPayload in;
+Status ReceivePayload(const google::protobuf::RepeatedPtrField<Part>& parts,
+                      std::string_view inline_bytes, uint64_t max_tensor_bytes,
+                      std::span<const TensorBuffer> supplied,
+                      const internal::TensorPlacement& placement,
+                      const google::protobuf::Message* prototype,
+                      const GpuAccess& gpu, IncomingPayload* out) {
+  IncomingPayload& in = *out;
   in.parts.assign(parts.begin(), parts.end());
   in.inline_tensors.resize(parts.size() - 1);
   uint64_t tensor_total = 0;
@@ -330,7 +330,7 @@ StatusOr<IncomingPayload> ReceivePayload(
     in.staged_to.push_back(std::move(staged_to));
     in.staged_device.push_back(staged ? device : Device::Host());
   }
-  return in;
+  return absl::OkStatus();
 }
 
 Status RegisterLandingMemory(IncomingPayload* in, ibv_pd* pd) {

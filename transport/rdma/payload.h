@@ -127,13 +127,15 @@ struct IncomingPayload {
 // a GPU, in a direct mode the landing memory is the GPU's; in staging it is
 // a pinned host buffer that FinishPayload copies to the GPU.
 // RESOURCE_EXHAUSTED (budget, memory) and INVALID_ARGUMENT fail the call,
-// not the connection.
-[[nodiscard]] StatusOr<IncomingPayload> ReceivePayload(
+// not the connection. Fills `in`, which must be empty: in place, since the
+// payload is large to move.
+[[nodiscard]] Status ReceivePayload(
     const google::protobuf::RepeatedPtrField<Part>& parts,
     std::string_view inline_bytes, uint64_t max_tensor_bytes,
     std::span<const TensorBuffer> supplied,
     const internal::TensorPlacement& placement,
-    const google::protobuf::Message* prototype, const GpuAccess& gpu);
+    const google::protobuf::Message* prototype, const GpuAccess& gpu,
+    IncomingPayload* in);
 
 // Registers in.landing for remote write (the grant's lifetime).
 [[nodiscard]] Status RegisterLandingMemory(IncomingPayload* in, ibv_pd* pd);

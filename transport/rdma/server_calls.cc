@@ -207,15 +207,14 @@ Status ServerEndpoint::AdmitRequest(const FrameView& frame) {
   for (const Metadata& m : head.metadata()) {
     r.state->client_metadata.emplace(m.key(), m.value());
   }
-  auto in = ReceivePayload(
+  Status received = ReceivePayload(
       head.parts(), frame.inline_bytes, dispatcher_->max_request_tensor_bytes(),
       {}, method->placement, method->descriptor.request_prototype,
-      {conn_->pd(), gpu_mode_});
-  if (!in.ok()) {
-    FailLocked(call_id, in.status());
+      {conn_->pd(), gpu_mode_}, &r.in);
+  if (!received.ok()) {
+    FailLocked(call_id, received);
     return absl::OkStatus();
   }
-  r.in = *std::move(in);
   // The grant goes to the client's receive buffers: a request it would not
   // fit is carried over gRPC instead.
   Status fits = CheckGrantFits(r.in.landing.size(), conn_->max_frame_bytes(),

@@ -19,12 +19,12 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/inlined_vector.h"
 #include "google/protobuf/message.h"
 #include "runtime/transport.h"
@@ -146,7 +146,8 @@ class ServerEndpoint final
   std::shared_ptr<Connection> conn_;
   std::shared_ptr<RegistrationCache> cache_;
   bool closed_ = false;
-  std::map<uint64_t, std::unique_ptr<ServerRecord>> calls_;
+  // Hashed: a call costs no tree node (heap allocation).
+  absl::flat_hash_map<uint64_t, std::unique_ptr<ServerRecord>> calls_;
   // Fault injection only: continuations of responses "lost on the wire",
   // run with an error when the connection closes.
   std::vector<std::function<void(Status)>> lost_sends_;

@@ -63,9 +63,10 @@ class ScratchHead {
     slot.in_use = true;
     slot.head.Clear();
     head_ = &slot.head;
+    slot_ = &slot;
   }
   ~ScratchHead() {
-    if (fallback_ == nullptr) ThreadSlot().in_use = false;
+    if (slot_ != nullptr) slot_->in_use = false;
   }
   ScratchHead(const ScratchHead&) = delete;
   ScratchHead& operator=(const ScratchHead&) = delete;
@@ -84,6 +85,7 @@ class ScratchHead {
   }
 
   Head* head_;
+  Slot* slot_ = nullptr;  // the thread's, when taken (a TLS look-up saved)
   std::unique_ptr<Head> fallback_;
 };
 

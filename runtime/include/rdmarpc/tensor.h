@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "rdmarpc/memory.h"
 #include "rdmarpc/status.h"
 #include "rdmarpc/tensor.pb.h"
@@ -114,14 +115,22 @@ class CallTensors {
   StatusOr<TensorView> Get(const Tensor& field) const;
 
   // Forgets every binding.
-  void Clear() { bound_.clear(); }
+  void Clear() {
+    few_.clear();
+    many_.clear();
+  }
 
  private:
   friend class internal::CallTensorsAccess;
   const TensorBuffer* Find(const Tensor& field) const;
   void Bind(const Tensor& field, TensorBuffer buffer);
 
-  absl::flat_hash_map<const Tensor*, TensorBuffer> bound_;
+  // A call binds a few tensors as a rule: those stay inline (no heap
+  // allocation per call), the rest go in the map.
+  static constexpr size_t kInlineBindings = 4;
+  absl::InlinedVector<std::pair<const Tensor*, TensorBuffer>, kInlineBindings>
+      few_;
+  absl::flat_hash_map<const Tensor*, TensorBuffer> many_;
 };
 
 }  // namespace rdmarpc
