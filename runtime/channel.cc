@@ -39,9 +39,10 @@ ChannelTransportStats Channel::transport_stats() { return router_->stats(); }
 
 std::shared_ptr<Channel> CreateChannel(std::string target,
                                        ChannelOptions options) {
-  // Tearing a channel down waits for its RDMA connection to close, which
-  // the completion thread does: dropped there (by an inline handler or
-  // callback), it is torn down on the callback thread instead.
+  // Tearing a channel down waits for its RDMA connection to close and its
+  // gRPC calls to end, which completion threads do: dropped on one (by an
+  // inline handler or callback), it is torn down on the callback thread
+  // instead.
   return std::shared_ptr<Channel>(
       new Channel(std::move(target), options), [](Channel* channel) {
         if (!internal::OnCompletionThread()) {
@@ -157,10 +158,10 @@ Status Channel::Call(std::string_view method, ClientContext* ctx,
                      google::protobuf::Message* response) {
   if (internal::OnCompletionThread()) {
     return absl::FailedPreconditionError(
-        "a blocking call on the RDMA completion thread (from a handler run "
+        "a blocking call on a completion thread (from a handler run "
         "inline, or a callback with ChannelOptions::run_callbacks_inline) "
-        "would stall every RDMA connection of the process, and over RDMA "
-        "wait for its own thread; use CallAsync there");
+        "would stall every call that thread completes, and may wait for "
+        "its own thread; use CallAsync there");
   }
   // On the stack, and the callback holds only its address (no heap
   // allocation): Wait returns after the last time Complete touches it.

@@ -30,10 +30,12 @@ void OfferCallerPoll(std::shared_ptr<CallerPoll> poll) {
 }
 std::shared_ptr<CallerPoll> TakeCallerPoll() { return std::move(offered_poll); }
 
-void DeferredCompletion::Arm(std::function<void(Status)> done, Status status) {
+void DeferredCompletion::Arm(std::function<void(Status)> done, Status status,
+                             bool run_inline) {
   done_ = std::move(done);
   status_ = std::move(status);
-  armed_on_ = std::this_thread::get_id();
+  // A default id names no thread: the destructor hands `done` on.
+  if (run_inline) armed_on_ = std::this_thread::get_id();
 }
 
 DeferredCompletion::~DeferredCompletion() {

@@ -3,8 +3,9 @@
 // A transport arms it when the call is done; zero-copy slices that still
 // reference the call's borrowed memory hold it too, so the user's callback
 // (after which the memory may be freed) waits until the transport no longer
-// reads it. Runs inline when released on the arming thread, else on a
-// runtime thread, never from inside the transport's internals.
+// reads it. Runs inline when released on the arming thread (if the call
+// allows it), else on a runtime thread, never from inside the transport's
+// internals.
 #ifndef RDMARPC_RUNTIME_COMPLETION_H_
 #define RDMARPC_RUNTIME_COMPLETION_H_
 
@@ -25,7 +26,9 @@ class DeferredCompletion {
   ~DeferredCompletion();
 
   // Sets what runs on release. Call once, before dropping the owner's ref.
-  void Arm(std::function<void(Status)> done, Status status);
+  // `run_inline` false: `done` runs on a runtime thread even when released
+  // on the arming thread (ClientCall::done_runs_inline).
+  void Arm(std::function<void(Status)> done, Status status, bool run_inline);
 
  private:
   std::function<void(Status)> done_;

@@ -84,14 +84,20 @@ class E2EService final : public E2E::Service {
   std::atomic<int> slow_saw_cancel{0};
 };
 
+// Serves `service` on a free local port, with 8 workers.
+inline rdmarpc::StatusOr<std::unique_ptr<rdmarpc::Server>> StartE2EServer(
+    E2EService* service, int* port) {
+  return rdmarpc::ServerBuilder()
+      .AddListeningPort("127.0.0.1:0", port)
+      .RegisterService(service)
+      .SetNumWorkers(8)
+      .BuildAndStart();
+}
+
 class E2ETest : public ::testing::TestWithParam<TransportCase> {
  protected:
   void SetUp() override {
-    auto server = rdmarpc::ServerBuilder()
-                      .AddListeningPort("127.0.0.1:0", &port_)
-                      .RegisterService(&service_)
-                      .SetNumWorkers(8)
-                      .BuildAndStart();
+    auto server = StartE2EServer(&service_, &port_);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
     rdmarpc::ChannelOptions options;

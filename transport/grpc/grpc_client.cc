@@ -5,11 +5,14 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
-#include <grpcpp/support/client_callback.h>
+#include <pthread.h>
 
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <future>
 #include <mutex>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -18,6 +21,7 @@
 #include "runtime/completion.h"
 #include "transport/grpc/lean_codec.h"
 #include "transport/grpc/status_convert.h"
+#include "transport/grpc/tsan_tags.h"
 
 namespace rdmarpc::grpc_transport {
 namespace {
@@ -47,6 +51,11 @@ class GrpcCanceller final : public internal::CallCanceller {
 // tensor memory (see DeferredCompletion).
 class LeanCall {
  public:
+  // An operation's tag is the call's address with the operation in its
+  // low bits, which alignment leaves free.
+  enum Op : uintptr_t { kWrite = 1, kRead = 2, kFinish = 3 };
+  static_assert(alignof(grpc::ClientContext) > kFinish);
+
   LeanCall(internal::ClientCall call, size_t chunk_bytes)
       : call_(std::move(call)),
         chunk_bytes_(chunk_bytes),
@@ -95,27 +104,44 @@ class LeanCall {
     return absl::OkStatus();
   }
 
-  // Fills write_buf_ with the next request message: false when none is left
-  // or the call is being cancelled for a local error.
-  bool NextWrite(bool* last) {
-    auto more = sender_->Next(&write_buf_, last);
-    if (!more.ok()) {
-      FailLocally(more.status());
-      return false;
-    }
-    return *more;
+  // Starts the lean stream on `cq`: the first request message (with the
+  // metadata and, for a small request, the half-close), a read and the
+  // finish, all at once. The status comes after the last response message;
+  // asking for it now saves a round through the queue. Once it returns,
+  // `this` belongs to the thread that polls `cq`.
+  void StartOn(grpc::GenericStub* stub, grpc::CompletionQueue* cq) {
+    stream_ = stub->PrepareCall(&gctx_, call_.method, cq);
+    // Corked: the metadata goes with the first write, and no tag comes back.
+    stream_->StartCall(nullptr);
+    bool last = false;
+    const bool write = NextWrite(&last);
+    pending_.store(write ? 3 : 2, std::memory_order_relaxed);
+    stream_->Read(&read_buf_, Tag(kRead));
+    stream_->Finish(&grpc_status_, Tag(kFinish));
+    // Last: its completion may start the next write on another thread.
+    if (write) Write(last);
   }
 
-  // Takes read_buf_: whether another read is wanted.
-  bool OnRead() {
-    Status s = receiver_.OnMessage(&read_buf_);
-    if (!s.ok()) {
-      FailLocally(std::move(s));
-      return false;
+  // Handles an operation that came back: true when it was the call's
+  // last, and Conclude may run.
+  bool Handle(Op op, bool ok) {
+    switch (op) {
+      case kWrite:
+        if (bool last = false; ok && NextWrite(&last)) {
+          pending_.fetch_add(1, std::memory_order_relaxed);
+          Write(last);
+        }
+        break;
+      case kRead:
+        if (ok && OnRead()) {
+          pending_.fetch_add(1, std::memory_order_relaxed);
+          stream_->Read(&read_buf_, Tag(kRead));
+        }
+        break;
+      case kFinish:
+        break;
     }
-    // Once the response is complete only the status is left, and the end
-    // of the call brings it: one read fewer per call.
-    return !receiver_.complete();
+    return pending_.fetch_sub(1, std::memory_order_acq_rel) == 1;
   }
 
   // The call's outcome from gRPC's status; arms completion_ with `done`.
@@ -138,7 +164,8 @@ class LeanCall {
     stats->cpu_copied_bytes += sender_->cpu_copied_bytes() +
                                receiver_.cpu_copied_bytes() + accept_copied_;
     stats->tensor_bytes_received = received_bytes_;
-    completion_->Arm(std::move(call_.done), std::move(status));
+    completion_->Arm(std::move(call_.done), std::move(status),
+                     call_.done_runs_inline);
     completion_.reset();
     sender_.reset();
   }
@@ -147,17 +174,63 @@ class LeanCall {
   template <typename Self>
   static void FailBeforeStart(Self* self, Status s) {
     auto done = std::move(self->call_.done);
+    const bool run_inline = self->call_.done_runs_inline;
     delete self;
-    done(std::move(s));
+    if (run_inline) {
+      done(std::move(s));
+      return;
+    }
+    internal::RunOnCallbackThread(
+        [done = std::move(done), s = std::move(s)] { done(s); });
   }
 
  protected:
+  void* Tag(Op op) {
+    TsanRelease(this);
+    return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(this) | op);
+  }
+  static std::pair<LeanCall*, Op> Untag(void* tag) {
+    const auto bits = reinterpret_cast<uintptr_t>(tag);
+    auto* call = reinterpret_cast<LeanCall*>(bits & ~uintptr_t{3});
+    TsanAcquire(call);
+    return {call, static_cast<Op>(bits & 3)};
+  }
+
   void FailLocally(Status s) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       local_error_ = std::move(s);
     }
     gctx_.TryCancel();
+  }
+
+  // Fills write_buf_ with the next request message: false when none is left
+  // or the call is being cancelled for a local error.
+  bool NextWrite(bool* last) {
+    auto more = sender_->Next(&write_buf_, last);
+    if (!more.ok()) {
+      FailLocally(more.status());
+      return false;
+    }
+    return *more;
+  }
+
+  void Write(bool last) {
+    grpc::WriteOptions options;
+    if (last) options.set_last_message();
+    stream_->Write(write_buf_, options, Tag(kWrite));
+  }
+
+  // Takes read_buf_: whether another read is wanted.
+  bool OnRead() {
+    Status s = receiver_.OnMessage(&read_buf_);
+    if (!s.ok()) {
+      FailLocally(std::move(s));
+      return false;
+    }
+    // Once the response is complete only the status is left, and the end
+    // of the call brings it: one read fewer per call.
+    return !receiver_.complete();
   }
 
   StatusOr<std::vector<TensorBuffer>> OnResponseHead(const LeanHead& head) {
@@ -181,73 +254,49 @@ class LeanCall {
   LeanReceiver receiver_;
   grpc::ByteBuffer write_buf_;
   grpc::ByteBuffer read_buf_;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> stream_;
+  grpc::Status grpc_status_;
+  // Operations started and not yet back.
+  std::atomic<int> pending_{0};
   std::mutex mu_;
   Status local_error_;
   uint64_t received_bytes_ = 0;
   uint64_t accept_copied_ = 0;
 };
 
-// A call driven by gRPC's callback threads. Deleted after OnDone: on that
-// gRPC thread while the transport (and so its reference to the
-// grpc::Channel) lives, else on a runtime thread.
-class ClientCallReactor final
-    : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
-      private LeanCall {
+// A call that no caller waits on (CallAsync, CallFuture), driven through
+// the transport's CallQueue: its thread handles every operation that comes
+// back and deletes the call after the last one.
+class QueuedCall final : private LeanCall {
  public:
-  ClientCallReactor(internal::ClientCall call, size_t chunk_bytes,
-                    std::shared_ptr<ChannelLife> life)
-      : LeanCall(std::move(call), chunk_bytes), life_(std::move(life)) {}
+  static void Start(internal::ClientCall call, size_t chunk_bytes,
+                    grpc::GenericStub* stub, CallQueue* queue);
 
-  void Start(grpc::GenericStub* stub) {
-    if (Status s = Prepare(); !s.ok()) return FailBeforeStart(this, s);
-    stub->PrepareBidiStreamingCall(&gctx_, call_.method, grpc::StubOptions(),
-                                   this);
-    StartRead(&read_buf_);
-    WriteNext();
-    StartCall();
+  // An operation of a call on `queue` came back.
+  static void OnEvent(void* tag, bool ok) {
+    auto [call, op] = Untag(tag);
+    auto* self = static_cast<QueuedCall*>(call);
+    if (self->Handle(op, ok)) self->End();
   }
 
-  void OnWriteDone(bool ok) override {
-    if (ok) WriteNext();
-  }
-
-  void OnReadDone(bool ok) override {
-    if (ok && OnRead()) StartRead(&read_buf_);
-  }
-
-  void OnDone(const grpc::Status& grpc_status) override {
-    Conclude(grpc_status);
-    // gctx_ may hold the last reference to the grpc::Channel (the user can
-    // drop the rdmarpc::Channel once the callback ran). gRPC 1.51 must not
-    // release its shared callback queue from one of that queue's own
-    // threads: it joins itself and frees the queue under its feet. While the
-    // transport lives, its reference cannot go (its destructor waits for
-    // life->mu), so the call is deleted here; else on a runtime thread. The
-    // hand-off costs a thread wake-up, which small calls notice.
-    std::shared_ptr<ChannelLife> life = life_;
-    std::unique_lock<std::mutex> lock(life->mu);
-    if (life->transport_alive) {
-      delete this;
-      return;
-    }
-    lock.unlock();
-    internal::RunOnCallbackThread([this] { delete this; });
+  // The transport is going away: ends the call with UNAVAILABLE.
+  void Abandon() {
+    FailLocally(absl::UnavailableError("the channel was destroyed"));
   }
 
  private:
   friend class LeanCall;
+  friend class grpc_transport::CallQueue;
 
-  void WriteNext() {
-    bool last = false;
-    if (!NextWrite(&last)) return;
-    if (last) {
-      StartWriteLast(&write_buf_, grpc::WriteOptions());
-    } else {
-      StartWrite(&write_buf_);
-    }
-  }
+  QueuedCall(internal::ClientCall call, size_t chunk_bytes, CallQueue* queue)
+      : LeanCall(std::move(call), chunk_bytes), queue_(queue) {}
 
-  std::shared_ptr<ChannelLife> life_;
+  void End();
+
+  CallQueue* queue_;
+  // The queue's list of calls in flight, guarded by its mutex.
+  QueuedCall* prev_ = nullptr;
+  QueuedCall* next_ = nullptr;
 };
 
 // A call driven on the thread that waits for it (Channel::Call), through a
@@ -270,59 +319,102 @@ class CallerDrivenCall final : private LeanCall {
 
  private:
   friend class LeanCall;
-  enum Tag : uintptr_t { kWrite = 1, kRead, kFinish };
 
   void Drive(grpc::GenericStub* stub) {
     grpc::CompletionQueue cq;
-    auto stream = stub->PrepareCall(&gctx_, call_.method, &cq);
-    // Corked: the metadata goes with the first write, and no tag comes back.
-    stream->StartCall(nullptr);
-    int pending = 0;
-    auto write_next = [&] {
-      bool last = false;
-      if (!NextWrite(&last)) return;
-      grpc::WriteOptions options;
-      if (last) options.set_last_message();
-      stream->Write(write_buf_, options, Tagged(kWrite));
-      ++pending;
-    };
-    write_next();
-    stream->Read(&read_buf_, Tagged(kRead));
-    ++pending;
-    grpc::Status grpc_status;
-    // The status comes after the last response message; asking for it now
-    // saves a round through the queue.
-    stream->Finish(&grpc_status, Tagged(kFinish));
-    ++pending;
+    StartOn(stub, &cq);
     void* tag = nullptr;
     bool ok = false;
-    while (pending > 0 && cq.Next(&tag, &ok)) {
-      --pending;
-      switch (static_cast<Tag>(reinterpret_cast<uintptr_t>(tag))) {
-        case kWrite:
-          if (ok) write_next();
-          break;
-        case kRead:
-          if (ok && OnRead()) {
-            stream->Read(&read_buf_, Tagged(kRead));
-            ++pending;
-          }
-          break;
-        case kFinish:
-          break;
-      }
-    }
-    stream.reset();
+    bool ended = false;
+    while (!ended && cq.Next(&tag, &ok)) ended = Handle(Untag(tag).second, ok);
+    stream_.reset();
     cq.Shutdown();
     while (cq.Next(&tag, &ok)) {
     }
-    Conclude(grpc_status);
-  }
-
-  static void* Tagged(Tag t) {
-    return reinterpret_cast<void*>(static_cast<uintptr_t>(t));
+    Conclude(grpc_status_);
   }
 };
+
+}  // namespace
+
+// The completion queue of the calls that no caller waits on, and the
+// thread that polls it. Their `done` runs on that thread when it may run
+// inline: the thread counts as a completion thread, so a channel dropped
+// there is torn down elsewhere (CreateChannel) and does not wait for
+// itself.
+class CallQueue {
+ public:
+  CallQueue() : thread_([this] { Poll(); }) {
+    pthread_setname_np(thread_.native_handle(), "rdmarpc-grpc-cq");
+  }
+
+  // Ends the calls in flight, waits until each came back, then stops.
+  ~CallQueue() {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      closing_ = true;
+      for (QueuedCall* c = calls_; c != nullptr; c = c->next_) c->Abandon();
+      idle_.wait(lock, [this] { return calls_ == nullptr; });
+    }
+    cq_.Shutdown();
+    thread_.join();
+  }
+
+  grpc::CompletionQueue* cq() { return &cq_; }
+
+  void Add(QueuedCall* call) {
+    std::lock_guard<std::mutex> lock(mu_);
+    call->next_ = calls_;
+    if (calls_ != nullptr) calls_->prev_ = call;
+    calls_ = call;
+  }
+
+  void Remove(QueuedCall* call) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (call->prev_ != nullptr) {
+      call->prev_->next_ = call->next_;
+    } else {
+      calls_ = call->next_;
+    }
+    if (call->next_ != nullptr) call->next_->prev_ = call->prev_;
+    if (closing_ && calls_ == nullptr) idle_.notify_all();
+  }
+
+ private:
+  void Poll() {
+    internal::MarkCompletionThread();
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq_.Next(&tag, &ok)) QueuedCall::OnEvent(tag, ok);
+  }
+
+  grpc::CompletionQueue cq_;
+  std::mutex mu_;
+  std::condition_variable idle_;
+  QueuedCall* calls_ = nullptr;  // guarded by mu_
+  bool closing_ = false;         // guarded by mu_
+  std::thread thread_;
+};
+
+namespace {
+
+void QueuedCall::Start(internal::ClientCall call, size_t chunk_bytes,
+                       grpc::GenericStub* stub, CallQueue* queue) {
+  auto* self = new QueuedCall(std::move(call), chunk_bytes, queue);
+  if (Status s = self->Prepare(); !s.ok()) {
+    return FailBeforeStart(self, std::move(s));
+  }
+  // Listed before it starts, so that the transport's end can cancel it.
+  queue->Add(self);
+  self->StartOn(stub, queue->cq());
+}
+
+void QueuedCall::End() {
+  stream_.reset();
+  Conclude(grpc_status_);
+  queue_->Remove(this);
+  delete this;
+}
 
 }  // namespace
 
@@ -345,14 +437,12 @@ GrpcClientTransport::GrpcClientTransport(const std::string& target,
             target, grpc::InsecureChannelCredentials(), args);
       }()),
       stub_(channel_),
-      chunk_bytes_(options.grpc_chunk_bytes) {}
+      chunk_bytes_(options.grpc_chunk_bytes),
+      queue_(std::make_unique<CallQueue>()) {}
 
-GrpcClientTransport::~GrpcClientTransport() {
-  // From here on calls finishing must not drop what may be the last
-  // reference to channel_ on a gRPC thread (see ClientCallReactor::OnDone).
-  std::lock_guard<std::mutex> lock(life_->mu);
-  life_->transport_alive = false;
-}
+// The calls first: each holds a reference to the grpc::Channel, so that
+// the last one goes here, on the thread that drops the rdmarpc::Channel.
+GrpcClientTransport::~GrpcClientTransport() { queue_.reset(); }
 
 StatusOr<std::string> GrpcClientTransport::UnaryBytes(
     const std::string& method, const std::string& request,
@@ -384,7 +474,7 @@ void GrpcClientTransport::Start(internal::ClientCall call) {
     CallerDrivenCall::Run(std::move(call), chunk_bytes_, &stub_);
     return;
   }
-  (new ClientCallReactor(std::move(call), chunk_bytes_, life_))->Start(&stub_);
+  QueuedCall::Start(std::move(call), chunk_bytes_, &stub_, queue_.get());
 }
 
 }  // namespace rdmarpc::grpc_transport

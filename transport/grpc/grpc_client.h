@@ -8,7 +8,6 @@
 
 #include <chrono>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "rdmarpc/channel_options.h"
@@ -16,16 +15,15 @@
 
 namespace rdmarpc::grpc_transport {
 
-// Whether a GrpcClientTransport still exists, for calls that outlive it.
-struct ChannelLife {
-  std::mutex mu;
-  bool transport_alive = true;  // guarded by mu
-};
+class CallQueue;
 
 class GrpcClientTransport final : public internal::ClientTransport,
                                   public internal::SetupChannel {
  public:
   GrpcClientTransport(const std::string& target, const ChannelOptions& options);
+  // Calls still in flight fail with UNAVAILABLE; their callbacks run
+  // before it returns or on the runtime's threads. Must not run on this
+  // transport's own completion thread (CreateChannel's deleter sees to it).
   ~GrpcClientTransport() override;
 
   void Start(internal::ClientCall call) override;
@@ -41,7 +39,8 @@ class GrpcClientTransport final : public internal::ClientTransport,
   std::shared_ptr<grpc::Channel> channel_;
   grpc::GenericStub stub_;
   size_t chunk_bytes_;
-  std::shared_ptr<ChannelLife> life_ = std::make_shared<ChannelLife>();
+  // Carries the calls that no caller waits on (CallAsync, CallFuture).
+  std::unique_ptr<CallQueue> queue_;
 };
 
 }  // namespace rdmarpc::grpc_transport

@@ -21,6 +21,7 @@
 #include "runtime/tensor_walk.h"
 #include "transport/grpc/lean_codec.h"
 #include "transport/grpc/status_convert.h"
+#include "transport/grpc/tsan_tags.h"
 
 namespace rdmarpc::grpc_transport {
 
@@ -79,24 +80,6 @@ class GrpcServerTransport::Service {
 
 namespace {
 
-#if defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define RDMARPC_TSAN 1
-#endif
-#endif
-#if defined(__SANITIZE_THREAD__)
-#define RDMARPC_TSAN 1
-#endif
-#ifdef RDMARPC_TSAN
-extern "C" void __tsan_acquire(void* addr);
-extern "C" void __tsan_release(void* addr);
-void TsanAcquire(void* addr) { __tsan_acquire(addr); }
-void TsanRelease(void* addr) { __tsan_release(addr); }
-#else
-void TsanAcquire(void*) {}
-void TsanRelease(void*) {}
-#endif
-
 // One call on the gRPC port, from its arrival to the end of its RPC. Reads
 // the request (plain or lean), hands it to the dispatcher (or a runtime
 // method), writes the response the way the request came. Every step but
@@ -123,8 +106,7 @@ class ServerCall {
     Op op;
   };
   // A tag back from the queue: what the thread that started its operation
-  // wrote before is visible here. (gRPC, not built with TSan, hands the tag
-  // over where TSan cannot see it; this tells TSan.)
+  // wrote before is visible here.
   static Tag* Received(void* tag) {
     TsanAcquire(tag);
     return static_cast<Tag*>(tag);

@@ -57,19 +57,20 @@ struct ChannelOptions {
   // channel does not keep returning to a bad path.
   std::chrono::milliseconds rdma_probe_initial_backoff{100};
   std::chrono::milliseconds rdma_probe_max_backoff{5000};
-  // true (the default): CallAsync's callbacks of calls that complete over
-  // RDMA run on the RDMA completion thread itself, without a hand-off to
-  // the runtime's callback thread (a futex wake-up and a thread switch per
-  // call). Such a callback must not block: it holds up every RDMA
-  // connection of the process (one that holds the thread 1 ms or more
-  // counts in ChannelTransportStats::rdma_callback_stalls), and a blocking
-  // Channel::Call made in it fails with FAILED_PRECONDITION (it would wait
-  // for the thread it runs on). It may start calls with CallAsync. A thread
-  // blocked in Channel::Call on the same channel polls the connection too,
-  // so such a callback may also run there, under the same rules.
+  // true (the default): CallAsync's callbacks run on the thread that
+  // completes the call, without a hand-off to the runtime's callback
+  // thread (a futex wake-up and a thread switch per call): over RDMA the
+  // RDMA completion thread, over gRPC the channel's gRPC completion thread
+  // (`rdmarpc-grpc-cq`). Such a callback must not block: it holds up every
+  // call that thread completes (over RDMA, one that holds the thread 1 ms
+  // or more counts in ChannelTransportStats::rdma_callback_stalls), and a
+  // blocking Channel::Call made in it fails with FAILED_PRECONDITION (it
+  // may wait for the thread it runs on). It may start calls with
+  // CallAsync. A thread blocked in Channel::Call on the same channel polls
+  // the RDMA connection too, so such a callback may also run there, under
+  // the same rules.
   // false: callbacks run on the runtime's callback threads
-  // (`rdmarpc-done`), where they may block. Calls over gRPC complete on
-  // gRPC's threads either way.
+  // (`rdmarpc-done`), where they may block.
   bool run_callbacks_inline = true;
 
   // How RDMA reaches tensors in GPU memory (see GpuRdmaMode in
