@@ -453,9 +453,20 @@ Status ClientEndpoint::OnGrant(const FrameView& frame, Outcomes* outcomes) {
     }
     ep->Complete(std::move(done));
   };
+  // A large part moves piece by piece: each piece is progress.
+  auto moved = [weak = std::weak_ptr<ClientEndpoint>(shared_from_this()),
+                call_id] {
+    auto ep = weak.lock();
+    if (!ep) return;
+    std::lock_guard<std::mutex> lock(ep->mu_);
+    auto it = ep->calls_.find(call_id);
+    if (it != ep->calls_.end()) {
+      it->second->moved_at = internal::CoarseSteadyNow();
+    }
+  };
   RDMARPC_ASSIGN_OR_RETURN(
       r.writes_pending,
-      WriteGrantedParts(frame, r.out, r.sources, conn_, on_written));
+      WriteGrantedParts(frame, r.out, r.sources, conn_, on_written, moved));
   r.stage = ClientRecord::Stage::kAwaitResponse;
   r.moved_at = internal::CoarseSteadyNow();
   r.in_flight_allowance = AllowanceFor(r.out.tensor_bytes);

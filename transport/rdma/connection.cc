@@ -4,7 +4,9 @@
 #include <fcntl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -263,9 +265,18 @@ Status Connection::PostWritePieceLocked(PendingWrite& write, bool* finished) {
   write.offset += piece;
   ++counters_.writes_posted;
   *finished = last;
+  std::function<void(Status)> on_completion;
+  if (last) {
+    on_completion = std::move(write.done);
+  } else if (r.on_piece) {
+    // A failed piece decides nothing: the close fails the write's `done`.
+    on_completion = [moved = r.on_piece](Status s) {
+      if (s.ok()) moved();
+    };
+  }
   // Tracked before the poster posts it, so its completion finds it.
   RDMARPC_RETURN_IF_ERROR(
-      TrackPostedLocked(wr.wr_id, -1, last ? std::move(write.done) : nullptr));
+      TrackPostedLocked(wr.wr_id, -1, std::move(on_completion)));
   if (aside) {
     ++aside_queued_;
     ++counters_.writes_posted_aside;
@@ -276,9 +287,13 @@ Status Connection::PostWritePieceLocked(PendingWrite& write, bool* finished) {
 }
 
 void Connection::PostAside(ibv_send_wr wr, ibv_sge sge) {
-  // Fault injection: a test holds the poster thread here.
+  // Fault injection: a test holds the poster thread here, or slows every
+  // post as a crawling path would.
   internal::fault::HoldWhileArmed("rdma.post_aside.hold",
                                   "rdma.post_aside.held");
+  if (auto delay = internal::fault::Take("rdma.post_aside.delay_ms")) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(*delay));
+  }
   if (wr.num_sge > 0) wr.sg_list = &sge;
   int rc = 0;
   {

@@ -57,8 +57,10 @@ struct ConnectionConfig {
   uint32_t send_queue_slots = 256;    // max_send_wr
   uint32_t peer_receives = 64;        // what the peer posted for us
   uint32_t peer_receive_bytes = 32 << 10;
-  // Writes larger than this are split (the device's max_msg_sz, or less).
-  uint64_t max_write_bytes = uint64_t{1} << 30;
+  // Writes larger than this are split (the device's max_msg_sz, or less):
+  // each piece's completion tells the progress watch that a large
+  // transfer moves, where one 1 GiB piece stays silent until its end.
+  uint64_t max_write_bytes = uint64_t{64} << 20;
   // Writes of at least this many bytes are posted by the process's poster
   // thread, not the polling one (0: never). Set on software devices (rxe,
   // siw), whose ibv_post_send moves the bytes before it returns: a 1 GiB
@@ -108,6 +110,9 @@ class Connection : public std::enable_shared_from_this<Connection>,
     uint64_t length = 0;
     // Set: the last piece is a WRITE WITH IMMEDIATE carrying this value.
     std::optional<uint32_t> immediate;
+    // Runs when a piece before the last completes (on the polling thread,
+    // without the connection's lock): the write moves.
+    std::function<void()> on_piece;
   };
 
   // Posts the receives. `resources.qp` must exist; the connection is not

@@ -169,7 +169,8 @@ std::shared_ptr<std::vector<TensorBuffer>> HoldForWrites(
 int WriteGpuOrdered(const Grant& grant, const OutgoingPayload& out,
                     std::span<const LocalMemory> sources,
                     const std::shared_ptr<Connection>& conn,
-                    const std::function<void(Status)>& done) {
+                    const std::function<void(Status)>& done,
+                    const std::function<void()>& moved) {
   auto held = HoldForWrites(out.keep);
   auto post = [conn, done, held](Connection::WriteRequest w) {
     Status posted = conn->Write(w, done);
@@ -180,6 +181,7 @@ int WriteGpuOrdered(const Grant& grant, const OutgoingPayload& out,
   for (int k = 0; k < grant.regions_size(); ++k) {
     const PartSource& src = out.out_of_band[k];
     Connection::WriteRequest w = PartWrite(grant, k, out, sources);
+    w.on_piece = moved;
     const bool last_part = k + 1 == grant.regions_size();
     Status queued;
     if (src.staged_from == nullptr || src.size == 0) {
@@ -222,7 +224,8 @@ StatusOr<int> WriteGrantedParts(const FrameView& frame,
                                 const OutgoingPayload& out,
                                 std::span<const LocalMemory> sources,
                                 const std::shared_ptr<Connection>& conn,
-                                const std::function<void(Status)>& done) {
+                                const std::function<void(Status)>& done,
+                                const std::function<void()>& moved) {
   RDMARPC_ASSIGN_OR_RETURN(Grant grant,
                            ParseGrant(frame, out.out_of_band.size()));
   for (int k = 0; k < grant.regions_size(); ++k) {
@@ -233,11 +236,12 @@ StatusOr<int> WriteGrantedParts(const FrameView& frame,
     }
   }
   if (out.fence != nullptr) {
-    return WriteGpuOrdered(grant, out, sources, conn, done);
+    return WriteGpuOrdered(grant, out, sources, conn, done, moved);
   }
   int queued = 0;
   for (int k = 0; k < grant.regions_size(); ++k) {
     Connection::WriteRequest w = PartWrite(grant, k, out, sources);
+    w.on_piece = moved;
     if (k + 1 == grant.regions_size()) w.immediate = grant.grant_id();
     if (!conn->Write(w, done).ok()) break;  // closed: the endpoint fails it
     ++queued;

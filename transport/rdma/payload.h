@@ -90,12 +90,14 @@ struct OutgoingPayload {
 // CUDA's host-function thread once the producer's work and each staging
 // chunk's copy are done, so copies and writes overlap; `done` then runs on
 // a runtime thread for a write that could not be posted. `out` and the
-// memory it names must stay valid until every `done` has run.
+// memory it names must stay valid until every `done` has run. `moved` runs
+// whenever a piece of a split write completes (Connection::WriteRequest).
 [[nodiscard]] StatusOr<int> WriteGrantedParts(
     const FrameView& frame, const OutgoingPayload& out,
     std::span<const LocalMemory> sources,
     const std::shared_ptr<Connection>& conn,
-    const std::function<void(Status)>& done);
+    const std::function<void(Status)>& done,
+    const std::function<void()>& moved);
 
 struct IncomingPayload {
   // Inline room for a message part and a tensor: a small call's payload

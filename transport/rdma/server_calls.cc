@@ -33,6 +33,9 @@ struct ServerRecord {
   std::vector<LocalMemory> sources;
   int writes_pending = 0;
   Status write_error;  // of a response write
+  // A response write moved since the last pong: the pong names the call,
+  // so the client's progress watch sees a slow transfer that moves.
+  bool moved_since_pong = false;
 };
 
 ServerEndpoint::ServerEndpoint(internal::Dispatcher* dispatcher,
@@ -83,9 +86,12 @@ Status ServerEndpoint::OnFrame(const FrameView& frame) {
       ping.clear_running_call_ids();
       for (const auto& [id, r] : calls_) {
         if (ping.running_call_ids_size() >= kMaxRunningInPong) break;
+        const bool writing_moved =
+            r->stage == ServerRecord::Stage::kWritingResponse &&
+            std::exchange(r->moved_since_pong, false);
         if (r->stage == ServerRecord::Stage::kRunning ||
             r->stage == ServerRecord::Stage::kRegistering ||
-            r->stage == ServerRecord::Stage::kEndingGrant) {
+            r->stage == ServerRecord::Stage::kEndingGrant || writing_moved) {
           ping.add_running_call_ids(id);
         }
       }
@@ -533,6 +539,7 @@ Status ServerEndpoint::OnGrant(const FrameView& frame) {
     if (it == self->calls_.end()) return;
     ServerRecord& rec = *it->second;
     if (!written.ok()) rec.write_error = written;
+    rec.moved_since_pong = true;
     if (--rec.writes_pending > 0) return;
     if (rec.state->logged) {
       if (rec.write_error.ok()) {
@@ -544,9 +551,17 @@ Status ServerEndpoint::OnGrant(const FrameView& frame) {
     }
     self->ForgetLocked(call_id);
   };
+  auto moved = [weak = std::weak_ptr<ServerEndpoint>(shared_from_this()),
+                call_id] {
+    auto self = weak.lock();
+    if (!self) return;
+    std::lock_guard<std::mutex> lock(self->mu_);
+    auto it = self->calls_.find(call_id);
+    if (it != self->calls_.end()) it->second->moved_since_pong = true;
+  };
   RDMARPC_ASSIGN_OR_RETURN(
       r.writes_pending,
-      WriteGrantedParts(frame, r.out, r.sources, conn_, on_written));
+      WriteGrantedParts(frame, r.out, r.sources, conn_, on_written, moved));
   r.stage = ServerRecord::Stage::kWritingResponse;
   return absl::OkStatus();
 }

@@ -225,6 +225,30 @@ TEST_F(FallbackTest, HandlerRunningLongerThanThePeerTimeoutIsNotAStall) {
   EXPECT_EQ(stats.calls_resent, 0u);
 }
 
+// A large transfer slower than the watch allows for its bytes, but moving:
+// written in 1 MiB pieces, each posted 100 ms late, both ways. Each piece
+// the client writes moves the call, and the server's pongs name it while
+// its response's pieces move, so the call stays on RDMA.
+TEST_F(FallbackTest, SlowLargeTransferThatMovesIsNotAStall) {
+  setenv("RDMARPC_RDMA_MAX_WRITE_BYTES", "1048576", 1);
+  Start();
+  rdmarpc::ChannelOptions options;
+  options.rdma_peer_timeout = 300ms;
+  auto channel = Channel(options);
+  ASSERT_EQ(Echo(channel.get(), 64), rdmarpc::TransportKind::kRdma);
+  unsetenv("RDMARPC_RDMA_MAX_WRITE_BYTES");
+  // 16 MiB: the watch allows 250 ms for its bytes, and the pieces take
+  // 1.6 s each way.
+  fault::Arm("rdma.post_aside.delay_ms", -1, 100);
+  EXPECT_EQ(Echo(channel.get(), size_t{16} << 20),
+            rdmarpc::TransportKind::kRdma);
+  fault::Disarm("rdma.post_aside.delay_ms");
+  rdmarpc::ChannelTransportStats stats = channel->transport_stats();
+  EXPECT_EQ(stats.health, RdmaHealth::kReady) << stats.ToString();
+  EXPECT_EQ(stats.calls_resent, 0u);
+  EXPECT_GE(stats.rdma_writes_posted, 16u);
+}
+
 TEST_F(FallbackTest, HandlerRunningWhenTheConnectionDropsRunsOnce) {
   Start();
   auto channel = Channel({});

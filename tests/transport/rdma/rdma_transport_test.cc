@@ -835,7 +835,8 @@ TEST_F(ForgedPeerTest, WriteOutsideTheGrantFailsOnlyThatConnection) {
                            .remote_addr = grant.regions(0).addr() + 4096,
                            .rkey = grant.regions(0).rkey(),
                            .length = 4096,
-                           .immediate = grant.grant_id()},
+                           .immediate = grant.grant_id(),
+                           .on_piece = nullptr},
                           [&](rdmarpc::Status s) { written.set_value(s); })
                   .ok());
   auto result = written.get_future();
