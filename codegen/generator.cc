@@ -1,5 +1,6 @@
 #include "codegen/generator.h"
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <set>
@@ -10,6 +11,7 @@
 
 #include "google/protobuf/compiler/cpp/names.h"
 #include "google/protobuf/descriptor.h"
+#include "google/protobuf/descriptor.pb.h"
 #include "google/protobuf/io/printer.h"
 #include "google/protobuf/io/zero_copy_stream.h"
 
@@ -86,6 +88,53 @@ bool CheckTensorMaps(const Descriptor* type, std::set<const Descriptor*>* seen,
     if (!CheckTensorMaps(sub, seen, error)) return false;
   }
   return true;
+}
+
+// The fields a tensor walker of `type` visits, in field-number order (the
+// walk order): those that can hold a tensor below them, as the runtime's
+// reflection walk picks them (runtime/tensor_walk.cc). Empty when the
+// runtime walks `type` through reflection instead: types with extension
+// ranges (the runtime walks whatever is set, extensions included) and
+// types with weak fields (no generated accessors to read them with).
+std::vector<const FieldDescriptor*> WalkedFields(const Descriptor& type) {
+  std::vector<const FieldDescriptor*> fields;
+  if (type.extension_range_count() > 0 || type.options().map_entry()) {
+    return fields;
+  }
+  for (int i = 0; i < type.field_count(); ++i) {
+    const FieldDescriptor* field = type.field(i);
+    const Descriptor* sub = field->message_type();
+    std::set<const Descriptor*> seen;
+    if (sub == nullptr || (sub->full_name() != kTensorType &&
+                           FindTensorField(sub, &seen).empty())) {
+      continue;
+    }
+    if (field->options().weak()) return {};
+    fields.push_back(field);
+  }
+  std::sort(fields.begin(), fields.end(),
+            [](const FieldDescriptor* a, const FieldDescriptor* b) {
+              return a->number() < b->number();
+            });
+  return fields;
+}
+
+// The message types of `file` that get a tensor walker, nested ones
+// included, in declaration order.
+void AddWalkedTypes(const Descriptor& type,
+                    std::vector<const Descriptor*>* walked) {
+  if (!WalkedFields(type).empty()) walked->push_back(&type);
+  for (int i = 0; i < type.nested_type_count(); ++i) {
+    AddWalkedTypes(*type.nested_type(i), walked);
+  }
+}
+
+std::vector<const Descriptor*> WalkedTypes(const FileDescriptor& file) {
+  std::vector<const Descriptor*> walked;
+  for (int i = 0; i < file.message_type_count(); ++i) {
+    AddWalkedTypes(*file.message_type(i), &walked);
+  }
+  return walked;
 }
 
 // Each C++ member name in the generated classes must come from one source
@@ -389,6 +438,78 @@ void PrintServiceDefinition(const ServiceDescriptor& service, Printer* p) {
            "}\n");
 }
 
+std::string WalkerName(const Descriptor& type) {
+  return "WalkTensorsOf" + google::protobuf::compiler::cpp::ClassName(&type);
+}
+
+// A walker per type (rdmarpc/generated_support.h): the runtime's
+// reflection walk, with generated accessors in place of reflection.
+void PrintTensorWalkers(const std::vector<const Descriptor*>& types,
+                        Printer* p) {
+  p->Print("namespace {\n");
+  for (const Descriptor* type : types) {
+    p->Print(
+        {{"walker", WalkerName(*type)},
+         {"class", google::protobuf::compiler::cpp::QualifiedClassName(type)}},
+        "\n"
+        "::rdmarpc::Status $walker$(\n"
+        "    const ::google::protobuf::Message& message,\n"
+        "    const ::rdmarpc::generated::TensorWalk& walk) {\n"
+        "  const auto& m = static_cast<const $class$&>(message);\n");
+    for (const FieldDescriptor* field : WalkedFields(*type)) {
+      const Vars vars = {
+          {"name", google::protobuf::compiler::cpp::FieldName(field)},
+          {"number", std::to_string(field->number())},
+          {"visit", field->message_type()->full_name() == kTensorType
+                        ? "VisitTensor"
+                        : "VisitMessage"}};
+      if (field->is_map()) {
+        // Map order is not stable across peers.
+        p->Print(vars,
+                 "  if (!m.$name$().empty()) {\n"
+                 "    return ::rdmarpc::generated::MapHoldsTensors(\n"
+                 "        message, $number$);\n"
+                 "  }\n");
+      } else if (field->is_repeated()) {
+        p->Print(vars,
+                 "  for (const auto& element : m.$name$()) {\n"
+                 "    RDMARPC_RETURN_IF_ERROR(\n"
+                 "        ::rdmarpc::generated::$visit$(walk, $number$, "
+                 "element));\n"
+                 "  }\n");
+      } else {
+        p->Print(vars,
+                 "  if (m.has_$name$()) {\n"
+                 "    RDMARPC_RETURN_IF_ERROR(\n"
+                 "        ::rdmarpc::generated::$visit$(walk, $number$, "
+                 "m.$name$()));\n"
+                 "  }\n");
+      }
+    }
+    p->Print(
+        "  return ::absl::OkStatus();\n"
+        "}\n");
+  }
+  p->Print(
+      "\n"
+      "// Registered before main(): the runtime walks these classes'\n"
+      "// messages with the walkers above.\n"
+      "[[maybe_unused]] const bool tensor_walkers_registered =");
+  for (size_t i = 0; i < types.size(); ++i) {
+    p->Print({{"walker", WalkerName(*types[i])},
+              {"class",
+               google::protobuf::compiler::cpp::QualifiedClassName(types[i])},
+              {"and", i + 1 < types.size() ? " &&" : ";"}},
+             "\n"
+             "    ::rdmarpc::generated::RegisterTensorWalker(\n"
+             "        typeid($class$), &$walker$)$and$");
+  }
+  p->Print(
+      "\n"
+      "\n"
+      "}  // namespace\n");
+}
+
 // Runs `body` inside the file's package namespace (if it has a package).
 template <typename Body>
 void PrintInNamespace(const FileDescriptor& file, Printer* p, Body body) {
@@ -447,23 +568,31 @@ void WriteSource(const FileDescriptor& file, const std::string& stem,
   Printer p(out.get(), '$');
   const Vars vars = {{"proto", file.name()},
                      {"header", stem + ".rdmarpc.pb.h"}};
+  const std::vector<const Descriptor*> walked = WalkedTypes(file);
   p.Print(vars,
           "// Generated by protoc-gen-rdmarpc from $proto$. DO NOT EDIT.\n");
   if (file.service_count() == 0) {
-    p.Print(vars,
-            "// $proto$ declares no services.\n"
-            "#include \"$header$\"\n");
-    return;
+    p.Print(vars, "// $proto$ declares no services.\n");
+    if (walked.empty()) {
+      p.Print(vars, "#include \"$header$\"\n");
+      return;
+    }
   }
-  p.Print(vars,
-          "#include \"$header$\"\n"
-          "\n"
-          "#include <utility>\n"
-          "\n");
+  p.Print(vars, "#include \"$header$\"\n\n");
+  if (!walked.empty()) p.Print("#include <typeinfo>\n");
+  if (file.service_count() > 0) p.Print("#include <utility>\n");
+  p.Print("\n");
+  if (!walked.empty()) {
+    p.Print("#include \"rdmarpc/generated_support.h\"\n\n");
+  }
   PrintInNamespace(file, &p, [&] {
     for (int i = 0; i < file.service_count(); ++i) {
       if (i > 0) p.Print("\n");
       PrintServiceDefinition(*file.service(i), &p);
+    }
+    if (!walked.empty()) {
+      if (file.service_count() > 0) p.Print("\n");
+      PrintTensorWalkers(walked, &p);
     }
   });
 }

@@ -32,6 +32,17 @@ Status CollectMutableTensors(google::protobuf::Message* msg,
 Status CollectTensorTopFields(const google::protobuf::Message& msg,
                               TopFieldList* out);
 
+// Message classes whose file was compiled with protoc-gen-rdmarpc are
+// walked by the walker generated for them (rdmarpc/generated_support.h),
+// others through protobuf reflection; both give the same result. For
+// tests, the two apart:
+//
+// The walk of CollectMutableTensors, by reflection alone at every level.
+Status CollectTensorsByReflection(const google::protobuf::Message& msg,
+                                  TensorList* out, TopFieldList* top);
+// Whether walks of `msg`'s class run a generated walker.
+bool WalksWithGeneratedWalker(const google::protobuf::Message& msg);
+
 }  // namespace rdmarpc::internal
 
 #endif  // RDMARPC_RUNTIME_TENSOR_WALK_H_
