@@ -61,6 +61,8 @@ std::string ChannelTransportStats::ToString() const {
                   "rdma frames sent/received: ", rdma_frames_sent, "/",
                   rdma_frames_received, ", writes: ", rdma_writes_posted,
                   " (posted aside: ", rdma_writes_posted_aside, ")",
+                  ", unsignaled: ", rdma_frames_unsignaled,
+                  " (flush writes: ", rdma_flush_writes, ")",
                   ", credit frames: ", rdma_credit_frames_sent,
                   ", waits for credit: ", rdma_waits_for_credit,
                   ", watcher wake-ups: ", rdma_watch_wakeups,

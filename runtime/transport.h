@@ -87,6 +87,11 @@ struct FastPathCounters {
   // writes: ConnectionConfig::post_aside_bytes).
   uint64_t writes_posted_aside = 0;
   uint64_t credit_frames_sent = 0;
+  // Frames posted without a completion of their own (selective
+  // signaling), and the zero-length writes posted to complete them when
+  // nothing signaled followed.
+  uint64_t frames_unsignaled = 0;
+  uint64_t flush_writes = 0;
   uint64_t waits_for_credit = 0;
   // Times the channel's RDMA watcher (deadlines, progress) woke up.
   uint64_t watch_wakeups = 0;

@@ -200,6 +200,8 @@ ChannelTransportStats TransportRouter::stats() {
     stats.rdma_writes_posted_aside = c.writes_posted_aside;
     stats.rdma_credit_frames_sent = c.credit_frames_sent;
     stats.rdma_waits_for_credit = c.waits_for_credit;
+    stats.rdma_frames_unsignaled = c.frames_unsignaled;
+    stats.rdma_flush_writes = c.flush_writes;
     stats.rdma_watch_wakeups = c.watch_wakeups;
     stats.rdma_caller_polls = c.caller_polls;
     stats.rdma_callback_stalls = c.callback_stalls;

@@ -34,6 +34,17 @@ CreditWindow::Options WindowOptions(const ConnectionConfig& c) {
           .return_threshold = 0};
 }
 
+// The connection whose queue this thread polls now, if any: a frame it
+// queues may leave its `sent` to a later completion, since this thread
+// (or the engine after it) flushes before it stops polling.
+thread_local const Connection* polling_here = nullptr;
+
+uint32_t SignalInterval(const ConnectionConfig& c) {
+  if (c.signal_interval > 0) return c.signal_interval;
+  return std::max<uint32_t>(
+      1, std::min({16u, c.peer_receives / 2, c.send_queue_slots / 4}));
+}
+
 // The poster thread (ConnectionConfig::post_aside_bytes). One for the
 // process: a software device moves one write at a time per CPU anyway.
 void RunOnPoster(std::function<void()> task) {
@@ -49,6 +60,15 @@ StatusOr<std::shared_ptr<Connection>> Connection::Create(
     ConnectionResources resources, const ConnectionConfig& config,
     std::shared_ptr<Handler> handler) {
   RDMARPC_RETURN_IF_ERROR(CreditWindow::Validate(WindowOptions(config)));
+  if (config.signal_interval > config.peer_receives / 2 ||
+      config.signal_interval > config.send_queue_slots / 4) {
+    // Frames left unsignaled hold send buffers and send slots until a
+    // later completion: too many could leave none for that one.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "signal_interval ", config.signal_interval,
+        " exceeds half the peer's receives (", config.peer_receives,
+        ") or a quarter of the send queue (", config.send_queue_slots, ")"));
+  }
   if (config.send_queue_slots > kPostedSlotMask) {
     return absl::InvalidArgumentError(
         absl::StrCat("send_queue_slots ", config.send_queue_slots, " exceeds ",
@@ -74,7 +94,9 @@ Connection::Connection(ConnectionResources resources,
       config_(config),
       handler_(std::move(handler)),
       window_(WindowOptions(config)),
-      posted_(config.send_queue_slots) {
+      posted_(config.send_queue_slots),
+      signal_interval_(SignalInterval(config)),
+      unsignaled_(signal_interval_) {
   for (uint32_t i = 0; i < config.peer_receives; ++i) {
     free_send_buffers_.push_back(static_cast<int>(i));
   }
@@ -120,7 +142,7 @@ Status Connection::SendFrame(
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_.load()) return close_reason_;
     if (frames_.empty() && res_.qp.get() != nullptr &&
-        window_.TryTakeForData()) {
+        !free_send_buffers_.empty() && window_.TryTakeForData()) {
       // The common case: encoded straight into a registered send buffer.
       uint8_t* dst = SendBuffer(free_send_buffers_.back());
       RDMARPC_ASSIGN_OR_RETURN(
@@ -191,13 +213,18 @@ Status Connection::PostSendBufferLocked(size_t bytes,
   wr.sg_list = &sge;
   wr.num_sge = 1;
   wr.opcode = IBV_WR_SEND;
-  wr.send_flags = IBV_SEND_SIGNALED;
+  // Another thread's `sent` would wait for a flush nobody is bound to make.
+  const bool signaled = (sent != nullptr && polling_here != this) ||
+                        unsignaled_count_ + 1 >= signal_interval_;
+  wr.send_flags = signaled ? IBV_SEND_SIGNALED : 0;
   ibv_send_wr* bad = nullptr;
   int rc = ibv_post_send(res_.qp.get(), &wr, &bad);
   if (rc != 0) return VerbsError("ibv_post_send (frame)", rc);
   free_send_buffers_.pop_back();
-  RDMARPC_RETURN_IF_ERROR(TrackPostedLocked(wr.wr_id, buffer, std::move(sent)));
+  RDMARPC_RETURN_IF_ERROR(
+      TrackPostedLocked(wr.wr_id, buffer, std::move(sent), signaled));
   ++counters_.frames_sent;
+  if (!signaled) ++counters_.frames_unsignaled;
   if (credit_only) ++counters_.credit_frames_sent;
   return absl::OkStatus();
 }
@@ -212,16 +239,79 @@ StatusOr<uint64_t> Connection::NextWrIdLocked() {
 }
 
 Status Connection::TrackPostedLocked(uint64_t wr_id, int send_buffer,
-                                     std::function<void(Status)> done) {
+                                     std::function<void(Status)> done,
+                                     bool signaled) {
   const uint32_t slot = static_cast<uint32_t>(wr_id & kPostedSlotMask);
   if (free_posted_.empty() || free_posted_.back() != slot) {
     return absl::InternalError(absl::StrCat(
         "send work request ", wr_id, " does not hold the next free slot"));
   }
   free_posted_.pop_back();
-  posted_[slot] = Posted{wr_id, send_buffer, std::move(done)};
+  const uint64_t seq = next_seq_++;
+  posted_[slot] = Posted{wr_id, send_buffer, std::move(done), seq};
   ++posted_count_;
+  if (signaled) {
+    last_signaled_seq_ = seq;
+  } else {
+    unsignaled_[(unsignaled_head_ + unsignaled_count_) % unsignaled_.size()] =
+        wr_id;
+    ++unsignaled_count_;
+  }
   return absl::OkStatus();
+}
+
+void Connection::ReleaseUnsignaledLocked(uint64_t seq, uint32_t* completed,
+                                         Continuations* sent) {
+  while (unsignaled_count_ > 0) {
+    Posted* posted = FindPostedLocked(unsignaled_[unsignaled_head_]);
+    // Gone: it failed (a flush error) and ran its continuation then.
+    if (posted != nullptr) {
+      if (posted->seq > seq) return;
+      if (posted->send_buffer >= 0) {
+        free_send_buffers_.push_back(posted->send_buffer);
+      }
+      if (posted->done) sent->push_back(std::move(posted->done));
+      ForgetPostedLocked(posted);
+      ++*completed;
+    }
+    unsignaled_head_ = (unsignaled_head_ + 1) % unsignaled_.size();
+    --unsignaled_count_;
+  }
+}
+
+bool Connection::FlushUnsignaled(bool any) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (unsignaled_count_ == 0 || closed_.load() || res_.qp.get() == nullptr) {
+    return false;
+  }
+  // Those before a signaled one still outstanding are covered by it (once
+  // it completes it releases them); a flush is for those after it.
+  bool uncovered = false;
+  bool wanted = any;
+  for (size_t i = 0; i < unsignaled_count_; ++i) {
+    Posted* posted = FindPostedLocked(
+        unsignaled_[(unsignaled_head_ + i) % unsignaled_.size()]);
+    if (posted == nullptr || posted->seq < last_signaled_seq_) continue;
+    uncovered = true;
+    wanted |= posted->done != nullptr;
+  }
+  if (!uncovered) return false;
+  if (!wanted || !window_.TryTakeSendSlot()) return false;
+  ibv_send_wr wr{};
+  auto wr_id = NextWrIdLocked();
+  if (!wr_id.ok()) return false;
+  wr.wr_id = *wr_id;
+  wr.opcode = IBV_WR_RDMA_WRITE;
+  wr.send_flags = IBV_SEND_SIGNALED;
+  ibv_send_wr* bad = nullptr;
+  if (ibv_post_send(res_.qp.get(), &wr, &bad) != 0 ||
+      !TrackPostedLocked(wr.wr_id, -1, nullptr).ok()) {
+    // The slot stays taken: the connection is broken, and its close fails
+    // the unsignaled frames' continuations.
+    return false;
+  }
+  ++counters_.flush_writes;
+  return true;
 }
 
 Connection::Posted* Connection::FindPostedLocked(uint64_t wr_id) {
@@ -306,7 +396,7 @@ void Connection::PostAside(ibv_send_wr wr, ibv_sge sge) {
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    --aside_queued_;
+    if (--aside_queued_ == 0) aside_idle_since_ = internal::CoarseSteadyNow();
   }
   // The piece stays tracked: the close fails its continuation.
   if (rc != 0) Close(VerbsError("ibv_post_send (write)", rc), "post error");
@@ -314,7 +404,10 @@ void Connection::PostAside(ibv_send_wr wr, ibv_sge sge) {
 
 Status Connection::PumpLocked() {
   if (res_.qp.get() == nullptr) return absl::OkStatus();
-  while (!frames_.empty() && window_.TryTakeForData()) {
+  // A send buffer comes back with its frame's completion, which for an
+  // unsignaled frame may come after the peer returned its receive.
+  while (!frames_.empty() && !free_send_buffers_.empty() &&
+         window_.TryTakeForData()) {
     RDMARPC_RETURN_IF_ERROR(PostFrameLocked(frames_.front(), false));
     frames_.pop_front();
   }
@@ -329,7 +422,8 @@ Status Connection::PumpLocked() {
     RDMARPC_RETURN_IF_ERROR(PostWritePieceLocked(w, &finished));
     if (finished) writes_.pop_front();
   }
-  if (window_.ShouldSendCreditReturn() && window_.TryTakeForCreditReturn()) {
+  if (window_.ShouldSendCreditReturn() && !free_send_buffers_.empty() &&
+      window_.TryTakeForCreditReturn()) {
     PendingFrame credit;
     credit.bytes.resize(kPreambleBytes);
     RDMARPC_RETURN_IF_ERROR(EncodeFrame(FrameType::kCredit, 0, nullptr, {},
@@ -340,10 +434,17 @@ Status Connection::PumpLocked() {
   return absl::OkStatus();
 }
 
-bool Connection::Busy() const {
+bool Connection::Busy() {
   if (calls_waiting.load(std::memory_order_relaxed) > 0) return true;
+  FlushUnsignaled(/*any=*/true);
   std::lock_guard<std::mutex> lock(mu_);
   return posted_count_ > 0;
+}
+
+std::chrono::steady_clock::time_point Connection::NotStillBefore(
+    std::chrono::steady_clock::time_point now) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return aside_queued_ > 0 ? now : aside_idle_since_;
 }
 
 Connection::Counters Connection::counters() const {
@@ -390,7 +491,10 @@ bool Connection::PollHeld() {
     Fail("ibv_poll_cq failed");
     return false;
   }
+  const Connection* outer = polling_here;
+  polling_here = this;
   for (int i = 0; i < n; ++i) HandleCompletion(wcs[i]);
+  polling_here = outer;
   return n > 0;
 }
 
@@ -480,6 +584,7 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
     return;
   }
   std::function<void(Status)> done;
+  Continuations sent;
   Status s;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -489,10 +594,13 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
       free_send_buffers_.push_back(posted->send_buffer);
     }
     done = std::move(posted->done);
+    uint32_t completed = 1;
+    ReleaseUnsignaledLocked(posted->seq, &completed, &sent);
     ForgetPostedLocked(posted);
-    s = window_.OnSendCompleted(1);
+    s = window_.OnSendCompleted(completed);
     if (s.ok() && !closed_.load()) s = PumpLocked();
   }
+  for (auto& f : sent) f(absl::OkStatus());
   if (done) done(absl::OkStatus());
   if (!s.ok()) Close(s, "post error");
 }
@@ -558,6 +666,7 @@ void Connection::FinishClose() {
       posted = Posted{};
     }
     posted_count_ = 0;
+    unsignaled_count_ = 0;
     for (auto& w : writes_) {
       if (w.done) pending.push_back(std::move(w.done));
     }

@@ -19,7 +19,11 @@
 // Handler's methods and every Write continuation run on the thread that
 // polls the completion queue, one at a time: the engine, or a caller
 // waiting for its own call (Channel::Call, through TakeForCaller). They run
-// without the connection's lock held, so they may call back in. Large
+// without the connection's lock held, so they may call back in. A frame
+// with a `sent` continuation queued by the polling thread itself goes
+// unsignaled like the others: its `sent` runs once a later completion
+// covers it, at the latest when the engine flushes before it sleeps
+// (FlushUnsignaled). Large
 // writes on a software device are posted by one process-wide poster thread
 // (ConnectionConfig::post_aside_bytes); their continuations still run on the
 // polling thread.
@@ -40,6 +44,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "google/protobuf/message_lite.h"
 #include "rdmarpc/status.h"
 #include "runtime/completion.h"
@@ -66,6 +71,12 @@ struct ConnectionConfig {
   // siw), whose ibv_post_send moves the bytes before it returns: a 1 GiB
   // write posted by the engine would hold every connection it polls.
   uint64_t post_aside_bytes = 0;
+  // Frames go unsignaled (no completion of their own) while fewer than
+  // this many unsignaled ones are outstanding: a later signaled work
+  // request's completion releases them, as a reliable connection completes
+  // its sends in order. 0: min(16, peer_receives / 2, send_queue_slots /
+  // 4); 1: every frame is signaled.
+  uint32_t signal_interval = 0;
 };
 
 // The verbs objects of one connection, in creation order (so destruction
@@ -173,9 +184,24 @@ class Connection : public std::enable_shared_from_this<Connection>,
 
   // Work outstanding (posted work requests, calls waiting for the peer); a
   // server's shutdown flushes until there is none. Handlers count their
-  // calls here.
-  bool Busy() const;
+  // calls here. Posts a flush write when only unsignaled frames are left,
+  // so that they too complete.
+  bool Busy();
+  // Posts a signaled zero-length write (no peer receive, no remote memory:
+  // InfiniBand C9-88) behind unsignaled frames that no signaled work
+  // request follows, so their completions and `sent` continuations come:
+  // only when one of them has a `sent`, or with `any` always. True if it
+  // posted one. The engine calls it before it sleeps.
+  bool FlushUnsignaled(bool any = false);
   std::atomic<int> calls_waiting{0};
+
+  // For the calls' progress watch (rdma_client.cc), as
+  // Engine::NotStillBefore: a write waiting for the process's poster
+  // thread (busy with another large write, say) holds this connection's
+  // calls still, and that is no fault of the path. Returns `now` while one
+  // waits, else when the last one was posted.
+  std::chrono::steady_clock::time_point NotStillBefore(
+      std::chrono::steady_clock::time_point now) const;
 
   // Counters for tests and stats (waits_for_credit: times a frame or write
   // had to wait for a peer receive or a send slot).
@@ -223,6 +249,9 @@ class Connection : public std::enable_shared_from_this<Connection>,
     uint64_t wr_id = 0;    // 0: a free slot
     int send_buffer = -1;  // frames: the send buffer to free
     std::function<void(Status)> done;
+    // Order of tracking: posts under mu_ are tracked in the order they
+    // reach the send queue; a write posted aside reaches it later still.
+    uint64_t seq = 0;
   };
 
   // Polls with polling_ held; true if it found anything.
@@ -244,7 +273,14 @@ class Connection : public std::enable_shared_from_this<Connection>,
   StatusOr<uint64_t> NextWrIdLocked();
   // Fills the slot `wr_id` names (the next free one) once it is posted.
   Status TrackPostedLocked(uint64_t wr_id, int send_buffer,
-                           std::function<void(Status)> done);
+                           std::function<void(Status)> done,
+                           bool signaled = true);
+  // A signaled work request tracked as `seq` completed: so did every
+  // unsignaled one tracked before it. Frees them, counts them into
+  // `*completed` and moves their continuations to `sent`.
+  using Continuations = absl::InlinedVector<std::function<void(Status)>, 2>;
+  void ReleaseUnsignaledLocked(uint64_t seq, uint32_t* completed,
+                               Continuations* sent);
   Posted* FindPostedLocked(uint64_t wr_id);
   void ForgetPostedLocked(Posted* posted);
   Status PostWritePieceLocked(PendingWrite& write, bool* finished);
@@ -277,10 +313,19 @@ class Connection : public std::enable_shared_from_this<Connection>,
   std::vector<int> free_send_buffers_;
   std::vector<Posted> posted_;         // see TrackPostedLocked
   std::vector<uint32_t> free_posted_;  // slots of posted_ not in use
+  // Unsignaled frames not yet known complete: their wr_ids in the order
+  // they were posted (a ring of signal_interval_ slots).
+  uint32_t signal_interval_ = 1;
+  std::vector<uint64_t> unsignaled_;
+  size_t unsignaled_head_ = 0;
+  size_t unsignaled_count_ = 0;
+  uint64_t next_seq_ = 1;
+  uint64_t last_signaled_seq_ = 0;  // of the newest signaled one tracked
   // Write pieces handed to the poster thread and not yet posted. While
   // any are, later pieces go the same way, so they post in order (the
   // immediate that announces a write must not overtake its bytes).
   int aside_queued_ = 0;
+  std::chrono::steady_clock::time_point aside_idle_since_;
   size_t posted_count_ = 0;
   uint64_t next_wr_id_ = 1;
   Status close_reason_;

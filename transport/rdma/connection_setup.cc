@@ -97,6 +97,11 @@ StatusOr<ConnectionResources> BuildResources(SharedEventChannel events, CmId id,
       env != nullptr && *env != '\0') {
     config->post_aside_bytes = std::strtoull(env, nullptr, 10);
   }
+  if (const char* env = std::getenv("RDMARPC_RDMA_SIGNAL_INTERVAL");
+      env != nullptr && *env != '\0') {
+    config->signal_interval =
+        static_cast<uint32_t>(std::strtoul(env, nullptr, 10));
+  }
   if (const char* env = std::getenv("RDMARPC_RDMA_MAX_WRITE_BYTES");
       env != nullptr && *env != '\0') {
     uint64_t limit = std::strtoull(env, nullptr, 10);

@@ -244,7 +244,14 @@ void Engine::Loop() {
       internal::CpuRelax();
       continue;
     }
-    // Quiet: arm every queue, catch what raced with arming, then sleep.
+    // Quiet: complete the frames left unsignaled whose `sent` waits (their
+    // flush write's completion comes while spinning), then arm every
+    // queue, catch what raced with arming, and sleep.
+    for (auto& c : conns) progress |= c->FlushUnsignaled();
+    if (progress) {
+      last_progress = now;
+      continue;
+    }
     for (auto& c : conns) c->Arm();
     for (auto& c : conns) {
       progress |= c->TryPoll() != Connection::PollResult::kIdle;

@@ -133,8 +133,10 @@ void RdmaClientTransport::Monitor() {
     bool counted = false;
     if (peer_timeout_.count() > 0) {
       const auto now = internal::CoarseSteadyNow();
-      ClientEndpoint::ProgressWatch watch = endpoint_->WatchProgress(
-          now, peer_timeout_, Engine::Get().NotStillBefore(now));
+      ClientEndpoint::ProgressWatch watch =
+          endpoint_->WatchProgress(now, peer_timeout_,
+                                   std::max(Engine::Get().NotStillBefore(now),
+                                            conn_->NotStillBefore(now)));
       outstanding = watch.outstanding;
       counted = true;
       const SteadyClock::time_point heard = conn_->last_heard();

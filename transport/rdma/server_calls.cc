@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/coarse_clock.h"
 #include "runtime/completion.h"
 #include "runtime/fault_injection.h"
 #include "transport/rdma/payload.h"
@@ -84,11 +85,15 @@ Status ServerEndpoint::OnFrame(const FrameView& frame) {
       if (closed_) return absl::OkStatus();
       // Tells the client which of its calls are busy here, not stuck.
       ping.clear_running_call_ids();
+      // A write waiting for the process's poster thread is our backlog,
+      // not a stuck path: responses being written count as moving then.
+      const auto now = internal::CoarseSteadyNow();
+      const bool poster_backlog = conn_->NotStillBefore(now) == now;
       for (const auto& [id, r] : calls_) {
         if (ping.running_call_ids_size() >= kMaxRunningInPong) break;
         const bool writing_moved =
             r->stage == ServerRecord::Stage::kWritingResponse &&
-            std::exchange(r->moved_since_pong, false);
+            (std::exchange(r->moved_since_pong, false) || poster_backlog);
         if (r->stage == ServerRecord::Stage::kRunning ||
             r->stage == ServerRecord::Stage::kRegistering ||
             r->stage == ServerRecord::Stage::kEndingGrant || writing_moved) {

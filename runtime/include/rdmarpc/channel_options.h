@@ -125,6 +125,11 @@ struct ChannelTransportStats {
   uint64_t rdma_writes_posted_aside = 0;
   uint64_t rdma_credit_frames_sent = 0;
   uint64_t rdma_waits_for_credit = 0;
+  // Frames sent without a completion of their own (a later one covers
+  // them), and zero-length writes posted to complete such frames when the
+  // connection went quiet.
+  uint64_t rdma_frames_unsignaled = 0;
+  uint64_t rdma_flush_writes = 0;
   // Times the channel's RDMA watcher woke: every 50 ms while calls are
   // outstanding, never while the channel is idle.
   uint64_t rdma_watch_wakeups = 0;

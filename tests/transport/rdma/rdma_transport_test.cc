@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <future>
 #include <iostream>
 #include <mutex>
@@ -467,11 +468,11 @@ TEST(RdmaTransport, CreditsRunOutUnderASlowHandlerAndCallsWait) {
 // and once the thread it holds has armed `held`, makes `small_calls` calls
 // on `small` (of 200 and `small_bytes` bytes), which must finish while the
 // large one does not; then lets it go and checks its answer.
-void SmallCallsGoOnWhileALargeOneIsHeld(E2E::Stub* large, E2E::Stub* small,
-                                        size_t size, size_t small_bytes,
-                                        const char* hold, const char* held,
-                                        bool response_only = false,
-                                        int small_calls = 20) {
+void SmallCallsGoOnWhileALargeOneIsHeld(
+    E2E::Stub* large, E2E::Stub* small, size_t size, size_t small_bytes,
+    const char* hold, const char* held, bool response_only = false,
+    int small_calls = 20,
+    std::chrono::milliseconds hold_past = std::chrono::milliseconds(0)) {
   rdmarpc::internal::fault::Arm(hold);
   std::vector<uint8_t> bytes = Pattern(size, 7);
   ClientContext ctx;
@@ -496,6 +497,9 @@ void SmallCallsGoOnWhileALargeOneIsHeld(E2E::Stub* large, E2E::Stub* small,
     EXPECT_TRUE(EchoOnce(small, i % 2 ? small_bytes : 200, 10 + i));
   }
   std::future<rdmarpc::Status> done = large_done.get_future();
+  // Held past its channel's peer timeout, the large call must still not
+  // count as stuck: it waits for our own process, not for the path.
+  std::this_thread::sleep_for(hold_past);
   EXPECT_EQ(done.wait_for(std::chrono::seconds(0)), std::future_status::timeout)
       << "the large call finished while " << hold << " was armed";
   rdmarpc::internal::fault::Disarm(hold);
@@ -565,6 +569,17 @@ bool AllDevicesAreSoftware() {
 // devices post them so.
 class PostAside : public ::testing::Test {
  protected:
+  // Channels that would call a call stuck after 1 s without progress; the
+  // tests hold the poster for 3.
+  static constexpr std::chrono::milliseconds kPeerTimeout{1000};
+  static constexpr std::chrono::milliseconds kHoldPast{3000};
+
+  static std::shared_ptr<rdmarpc::Channel> Channel(int port) {
+    rdmarpc::ChannelOptions options;
+    options.rdma_peer_timeout = kPeerTimeout;
+    return RdmaChannel(port, options);
+  }
+
   void SetUp() override {
     if (!AllDevicesAreSoftware()) {
       GTEST_SKIP() << "a NIC's post only rings a doorbell: nothing is posted "
@@ -583,16 +598,17 @@ class PostAside : public ::testing::Test {
 // writes are posted by the poster thread, so calls on other connections go
 // on meanwhile. The poster is held (fault point) until they are done.
 TEST_F(PostAside, CallsOnOtherConnectionsGoOnWhileALargeWriteIsPosted) {
-  auto large_channel = RdmaChannel(port_);
+  auto large_channel = Channel(port_);
   auto large_stub = E2E::NewStub(large_channel);
-  auto small_stub = E2E::NewStub(RdmaChannel(port_));
+  auto small_stub = E2E::NewStub(Channel(port_));
   ASSERT_TRUE(EchoOnce(small_stub.get(), 100, 1));
   // 512 KiB: under the 1 MiB at which landing memory is registered aside,
   // over the 64 KiB at which writes are posted aside; the small calls'
   // writes stay under it.
   SmallCallsGoOnWhileALargeOneIsHeld(
       large_stub.get(), small_stub.get(), size_t{512} << 10, 30000,
-      "rdma.post_aside.hold", "rdma.post_aside.held");
+      "rdma.post_aside.hold", "rdma.post_aside.held", /*response_only=*/false,
+      /*small_calls=*/20, kHoldPast);
   EXPECT_EQ(large_channel->transport_stats().rdma_writes_posted_aside, 1u);
 }
 
@@ -601,14 +617,27 @@ TEST_F(PostAside, CallsOnOtherConnectionsGoOnWhileALargeWriteIsPosted) {
 // bookkeeping slot (they did, and the connection closed with an internal
 // error).
 TEST_F(PostAside, ManyCallsOnTheSameConnectionGoOnWhileItsLargeWriteWaits) {
-  auto channel = RdmaChannel(port_);
+  auto channel = Channel(port_);
   auto stub = E2E::NewStub(channel);
   ASSERT_TRUE(EchoOnce(stub.get(), 100, 1));
   // 300 calls send 300 requests: more than the 256 send queue slots.
   SmallCallsGoOnWhileALargeOneIsHeld(
       stub.get(), stub.get(), size_t{512} << 10, 300, "rdma.post_aside.hold",
-      "rdma.post_aside.held", /*response_only=*/false, /*small_calls=*/300);
+      "rdma.post_aside.held", /*response_only=*/false, /*small_calls=*/300,
+      kHoldPast);
   EXPECT_EQ(channel->transport_stats().rdma_writes_posted_aside, 1u);
+}
+
+// The same for a response: the server's pong names a call whose response
+// write waits for the poster, so the client does not count it as stuck.
+TEST_F(PostAside, AResponseWaitingForThePosterIsNotAStall) {
+  auto large_stub = E2E::NewStub(Channel(port_));
+  auto small_stub = E2E::NewStub(Channel(port_));
+  ASSERT_TRUE(EchoOnce(small_stub.get(), 100, 1));
+  SmallCallsGoOnWhileALargeOneIsHeld(
+      large_stub.get(), small_stub.get(), size_t{512} << 10, 100,
+      "rdma.post_aside.hold", "rdma.post_aside.held", /*response_only=*/true,
+      /*small_calls=*/20, kHoldPast);
 }
 
 TEST(RdmaTransport, OneGibibyteTensor) {
@@ -688,7 +717,14 @@ TEST(RdmaTransport, RegisteredMemoryIsSentAndReceivedWithoutCpuCopies) {
 // A handler for a hand-driven connection: keeps every frame it receives.
 class RecordingHandler final : public rdmarpc::rdma::Connection::Handler {
  public:
+  RecordingHandler() = default;
+  // `on_frame` also sees each frame, on the thread that polls.
+  explicit RecordingHandler(
+      std::function<void(const rdmarpc::rdma::FrameView&)> on_frame)
+      : on_frame_(std::move(on_frame)) {}
+
   rdmarpc::Status OnFrame(const rdmarpc::rdma::FrameView& frame) override {
+    if (on_frame_) on_frame_(frame);
     std::lock_guard<std::mutex> lock(mu_);
     frames_.push_back({frame.type, std::string(frame.head)});
     cv_.notify_all();
@@ -721,6 +757,7 @@ class RecordingHandler final : public rdmarpc::rdma::Connection::Handler {
   std::condition_variable cv_;
   std::deque<std::pair<rdmarpc::rdma::FrameType, std::string>> frames_;
   rdmarpc::Status closed_;
+  std::function<void(const rdmarpc::rdma::FrameView&)> on_frame_;
 };
 
 // A hand-built Echo request whose message declares one u8 tensor of 4096
@@ -855,6 +892,73 @@ TEST_F(ForgedPeerTest, WriteOutsideTheGrantFailsOnlyThatConnection) {
   EXPECT_TRUE(handler->WaitClosed());
   EXPECT_EQ(service_.echo_calls.load(), 0);
   ExpectServerStillServes();
+}
+
+TEST_F(ForgedPeerTest, UnsignaledFramesCompleteOnceFlushed) {
+  rdmarpc::rdma::HelloResponse hello = Hello();
+  auto handler = std::make_shared<RecordingHandler>();
+  auto conn = Connect(hello, hello.token(), handler);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  rdmarpc::rdma::Ping ping;
+  for (uint64_t i = 1; i <= 3; ++i) {
+    ping.set_sequence(i);
+    ASSERT_TRUE(
+        (*conn)->SendFrame(rdmarpc::rdma::FrameType::kPing, &ping).ok());
+  }
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(handler->Next().first, rdmarpc::rdma::FrameType::kPong);
+  }
+  // No `sent`: none of them asked for a completion of its own.
+  EXPECT_EQ((*conn)->counters().frames_unsignaled, 3u);
+  // Nothing signaled follows them, so they stay outstanding until Busy()
+  // posts the zero-length write whose completion covers them.
+  bool busy = true;
+  for (int i = 0; i < 10000 && (busy = (*conn)->Busy()); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_FALSE(busy);
+  EXPECT_EQ((*conn)->counters().flush_writes, 1u);
+  (*conn)->Close(absl::CancelledError("test done"));
+  EXPECT_TRUE(handler->WaitClosed());
+  ExpectServerStillServes();
+}
+
+TEST_F(ForgedPeerTest, SentOfAnUnsignaledFrameRunsWhenTheEngineGoesQuiet) {
+  rdmarpc::rdma::HelloResponse hello = Hello();
+  std::atomic<rdmarpc::rdma::Connection*> raw{nullptr};
+  std::promise<rdmarpc::Status> sent;
+  std::atomic<bool> replied{false};
+  // The first pong is answered from the polling thread, with a `sent`:
+  // that frame may go unsignaled, and the engine must flush it before it
+  // sleeps, or `sent` never runs.
+  auto handler = std::make_shared<RecordingHandler>(
+      [&](const rdmarpc::rdma::FrameView& frame) {
+        if (frame.type != rdmarpc::rdma::FrameType::kPong ||
+            replied.exchange(true)) {
+          return;
+        }
+        rdmarpc::rdma::Ping again;
+        again.set_sequence(2);
+        rdmarpc::Status queued = raw.load()->SendFrame(
+            rdmarpc::rdma::FrameType::kPing, &again, {},
+            [&](rdmarpc::Status s) { sent.set_value(s); });
+        if (!queued.ok()) sent.set_value(queued);
+      });
+  auto conn = Connect(hello, hello.token(), handler);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  raw.store(conn->get());
+  rdmarpc::rdma::Ping ping;
+  ping.set_sequence(1);
+  ASSERT_TRUE((*conn)->SendFrame(rdmarpc::rdma::FrameType::kPing, &ping).ok());
+  auto result = sent.get_future();
+  ASSERT_EQ(result.wait_for(std::chrono::seconds(10)),
+            std::future_status::ready);
+  EXPECT_TRUE(result.get().ok());
+  auto counters = (*conn)->counters();
+  EXPECT_EQ(counters.frames_unsignaled, 2u);
+  EXPECT_GE(counters.flush_writes, 1u);
+  (*conn)->Close(absl::CancelledError("test done"));
+  EXPECT_TRUE(handler->WaitClosed());
 }
 
 TEST_F(ForgedPeerTest, MalformedFrameClosesOnlyThatConnection) {
