@@ -9,12 +9,15 @@
 # Steps, each failing loudly:
 #   1. cmake --install the (already built) rdmarpc build tree into a
 #      temporary prefix;
-#   2. copy the consumer project out of the source tree, configure it with
+#   2. check that the exported target requires C++20 and does not define
+#      RDMARPC_FAULT_INJECTION for consumers (the consumer project sets no
+#      C++ standard of its own);
+#   3. copy the consumer project out of the source tree, configure it with
 #      -DCMAKE_PREFIX_PATH=<prefix> (same generator and compiler), nothing
 #      else pointing at rdmarpc;
-#   3. check that neither the installed package nor the consumer's build
+#   4. check that neither the installed package nor the consumer's build
 #      refers to the rdmarpc source or build tree;
-#   4. build the consumer and run it; it must exit 0.
+#   5. build the consumer and run it; it must exit 0.
 # The temporary folder is removed on success and kept (path printed) on
 # failure. KEEP_INSTALL_TEST_DIR=1 keeps it always.
 set -euo pipefail
@@ -87,6 +90,16 @@ if leaks=$(grep -rIl -e "$source_dir" -e "$build_dir" "$prefix"); then
   fail "installed files refer to the rdmarpc source/build tree: $leaks"
 fi
 echo "ok: no path into $source_dir or $build_dir in the installed text files"
+
+step "the exported target requires C++20 and exports no fault points"
+targets=$(find "$prefix" -name 'rdmarpcTargets.cmake' -print -quit)
+[[ -n $targets ]] || fail "no rdmarpcTargets.cmake under $prefix"
+grep -q 'cxx_std_20' "$targets" ||
+  fail "$targets does not require cxx_std_20: consumers without C++20 fail in the headers"
+if grep -n 'RDMARPC_FAULT_INJECTION' "$targets"; then
+  fail "$targets exports RDMARPC_FAULT_INJECTION to consumers"
+fi
+echo "ok: $targets requires cxx_std_20 and defines no fault points"
 
 step "configure the consumer against $prefix only"
 cp -r "$consumer_dir" "$consumer_src"

@@ -569,10 +569,11 @@ bool AllDevicesAreSoftware() {
 // devices post them so.
 class PostAside : public ::testing::Test {
  protected:
-  // Channels that would call a call stuck after 1 s without progress; the
-  // tests hold the poster for 3.
-  static constexpr std::chrono::milliseconds kPeerTimeout{1000};
-  static constexpr std::chrono::milliseconds kHoldPast{3000};
+  // Channels that would call a call stuck after 2 s without progress; the
+  // tests hold the poster for 5. (At 1 s a busy CI host's VM once stalled
+  // long enough for a call to look stuck before its grant came.)
+  static constexpr std::chrono::milliseconds kPeerTimeout{2000};
+  static constexpr std::chrono::milliseconds kHoldPast{5000};
 
   static std::shared_ptr<rdmarpc::Channel> Channel(int port) {
     rdmarpc::ChannelOptions options;
@@ -601,6 +602,7 @@ TEST_F(PostAside, CallsOnOtherConnectionsGoOnWhileALargeWriteIsPosted) {
   auto large_channel = Channel(port_);
   auto large_stub = E2E::NewStub(large_channel);
   auto small_stub = E2E::NewStub(Channel(port_));
+  ASSERT_TRUE(EchoOnce(large_stub.get(), 100, 1));
   ASSERT_TRUE(EchoOnce(small_stub.get(), 100, 1));
   // 512 KiB: under the 1 MiB at which landing memory is registered aside,
   // over the 64 KiB at which writes are posted aside; the small calls'
@@ -633,6 +635,7 @@ TEST_F(PostAside, ManyCallsOnTheSameConnectionGoOnWhileItsLargeWriteWaits) {
 TEST_F(PostAside, AResponseWaitingForThePosterIsNotAStall) {
   auto large_stub = E2E::NewStub(Channel(port_));
   auto small_stub = E2E::NewStub(Channel(port_));
+  ASSERT_TRUE(EchoOnce(large_stub.get(), 100, 1));
   ASSERT_TRUE(EchoOnce(small_stub.get(), 100, 1));
   SmallCallsGoOnWhileALargeOneIsHeld(
       large_stub.get(), small_stub.get(), size_t{512} << 10, 100,
