@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/access.h"
+#include "runtime/address.h"
 #include "runtime/completion.h"
 #include "runtime/random.h"
 #include "runtime/spin.h"
@@ -19,7 +20,9 @@
 namespace rdmarpc {
 
 Channel::Channel(std::string target, ChannelOptions options)
-    : target_(std::move(target)), options_(options) {
+    : target_(std::move(target)),
+      target_error_(internal::CheckTarget(target_)),
+      options_(options) {
   auto grpc =
       std::make_unique<grpc_transport::GrpcClientTransport>(target_, options_);
   internal::SetupChannel* setup = grpc.get();
@@ -73,6 +76,10 @@ TransportKind Channel::StartCall(std::string_view method, ClientContext* ctx,
   }
   CallStats* stats = internal::ClientContextAccess::mutable_stats(ctx);
   stats->call_id = next_call_id_.fetch_add(1);
+  if (!target_error_.ok()) {
+    done(target_error_);
+    return TransportKind::kNone;
+  }
   if (ctx->IsCancelled()) {
     done(absl::CancelledError("call cancelled before start"));
     return TransportKind::kNone;

@@ -8,21 +8,34 @@
 namespace rdmarpc::internal {
 namespace {
 
-std::string Describe(size_t index, const Tensor& t) {
-  return absl::StrCat("tensor #", index, " (", DTypeName(t.dtype()), ", ",
-                      t.shape_size(), "-d)");
+// "tensor field 'input' (#0, f32, 1-d)": the field's path in `msg`, its
+// walk index and description, for error messages.
+std::string Describe(const google::protobuf::Message& msg, size_t index,
+                     const Tensor& t) {
+  std::string path = TensorFieldPath(msg, t);
+  return absl::StrCat(
+      path.empty() ? "tensor" : absl::StrCat("tensor field '", path, "'"),
+      " (#", index, ", ", DTypeName(t.dtype()), ", ", t.shape_size(), "-d)");
 }
 
-StatusOr<uint64_t> ExpectedSize(size_t index, const Tensor& t) {
+StatusOr<uint64_t> ExpectedSize(const google::protobuf::Message& msg,
+                                size_t index, const Tensor& t) {
+  if (t.dtype() == DTYPE_UNSPECIFIED && t.shape_size() == 0 &&
+      t.byte_size() == 0 && t.data().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        Describe(msg, index, t),
+        " is missing: the field is set but holds no tensor (no dtype); bind "
+        "one with CallTensors::Set() or clear the field"));
+  }
   auto size = TensorByteSize(
       t.dtype(), std::span<const int64_t>(t.shape().data(), t.shape().size()));
   if (!size.ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(Describe(index, t), ": ", size.status().message()));
+        absl::StrCat(Describe(msg, index, t), ": ", size.status().message()));
   }
   if (t.byte_size() != 0 && t.byte_size() != *size) {
     return absl::InvalidArgumentError(
-        absl::StrCat(Describe(index, t), ": byte_size ", t.byte_size(),
+        absl::StrCat(Describe(msg, index, t), ": byte_size ", t.byte_size(),
                      " does not match dtype and shape (", *size, " bytes)"));
   }
   return *size;
@@ -45,13 +58,13 @@ StatusOr<OutgoingPlan> PlanOutgoing(const google::protobuf::Message& msg,
   plan.tensors.reserve(fields.size());
   for (size_t i = 0; i < fields.size(); ++i) {
     const Tensor& t = *fields[i];
-    RDMARPC_ASSIGN_OR_RETURN(uint64_t expected, ExpectedSize(i, t));
+    RDMARPC_ASSIGN_OR_RETURN(uint64_t expected, ExpectedSize(msg, i, t));
     OutgoingTensor out;
     out.size = expected;
     if (const TensorBuffer* b = CallTensorsAccess::Find(tensors, t)) {
       if (!t.data().empty() || b->size() != expected) {
         return absl::InvalidArgumentError(absl::StrCat(
-            Describe(i, t),
+            Describe(msg, i, t),
             ": the field changed after CallTensors::Set() (it has inline "
             "data or a shape that no longer matches the bound buffer)"));
       }
@@ -59,7 +72,7 @@ StatusOr<OutgoingPlan> PlanOutgoing(const google::protobuf::Message& msg,
       out.buffer = *b;
     } else if (t.data().size() != expected) {
       return absl::InvalidArgumentError(absl::StrCat(
-          Describe(i, t), ": no buffer bound with CallTensors::Set() and ",
+          Describe(msg, i, t), ": no buffer bound with CallTensors::Set() and ",
           t.data().size(), " inline bytes where dtype and shape need ",
           expected));
     }
@@ -130,25 +143,25 @@ StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
   // Check everything before allocating anything.
   for (size_t i = 0; i < fields.size(); ++i) {
     const Tensor& t = *fields[i];
-    RDMARPC_ASSIGN_OR_RETURN(uint64_t expected, ExpectedSize(i, t));
+    RDMARPC_ASSIGN_OR_RETURN(uint64_t expected, ExpectedSize(*msg, i, t));
     const IncomingPart& p = parts[i];
     if (p.size != expected) {
       return absl::InvalidArgumentError(
-          absl::StrCat(Describe(i, t), ": peer announced ", p.size,
+          absl::StrCat(Describe(*msg, i, t), ": peer announced ", p.size,
                        " bytes where dtype and shape need ", expected));
     }
     if (p.out_of_band && !t.data().empty()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          Describe(i, t), ": sent out of band and inline at once"));
+          Describe(*msg, i, t), ": sent out of band and inline at once"));
     }
     if (!p.out_of_band && t.data().size() != expected) {
       return absl::InvalidArgumentError(
-          absl::StrCat(Describe(i, t), ": ", t.data().size(),
+          absl::StrCat(Describe(*msg, i, t), ": ", t.data().size(),
                        " inline bytes where dtype and shape need ", expected));
     }
     if (!p.landing.empty() && p.landing.size() < expected) {
       return absl::ResourceExhaustedError(
-          absl::StrCat(Describe(i, t), " is ", expected,
+          absl::StrCat(Describe(*msg, i, t), " is ", expected,
                        " bytes; its landing buffer holds ", p.landing.size()));
     }
     if (expected > max_bytes - result.total_bytes) {

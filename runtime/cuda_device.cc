@@ -1,5 +1,6 @@
 // CUDA: which GPUs exist, errors, the current-device guard, device memory.
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 
 #include <string>
 
@@ -10,6 +11,16 @@
 namespace rdmarpc::internal {
 namespace {
 
+// Whether the driver library is installed at all (the runtime loads it by
+// this name).
+bool DriverInstalled() {
+  void* handle = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+  if (handle == nullptr) handle = dlopen("libcuda.so.1", RTLD_LAZY);
+  if (handle == nullptr) return false;
+  dlclose(handle);
+  return true;
+}
+
 struct CudaProbe {
   int count = 0;
   std::string reason;  // why count is 0
@@ -19,7 +30,25 @@ const CudaProbe& Probe() {
   static const CudaProbe probe = [] {
     CudaProbe p;
     cudaError_t err = cudaGetDeviceCount(&p.count);
-    if (err != cudaSuccess) {
+    if (err == cudaErrorInsufficientDriver && !DriverInstalled()) {
+      // The runtime says "driver version is insufficient" when there is no
+      // driver at all, which sends people updating a driver they lack.
+      p.count = 0;
+      p.reason =
+          "CUDA unavailable: no NVIDIA driver on this machine (libcuda.so.1 "
+          "not found): it has no GPU, or the GPU's driver is not installed";
+    } else if (err == cudaErrorInsufficientDriver) {
+      int runtime = 0;
+      int driver = 0;
+      (void)cudaRuntimeGetVersion(&runtime);
+      (void)cudaDriverGetVersion(&driver);
+      p.count = 0;
+      p.reason = absl::StrCat(
+          "CUDA unavailable: the NVIDIA driver supports CUDA ", driver / 1000,
+          ".", driver % 1000 / 10, " but rdmarpc was built with CUDA ",
+          runtime / 1000, ".", runtime % 1000 / 10,
+          "; update the driver or build rdmarpc with an older toolkit");
+    } else if (err != cudaSuccess) {
       p.count = 0;
       p.reason = absl::StrCat("CUDA unavailable: ", cudaGetErrorName(err), " (",
                               cudaGetErrorString(err), ")");

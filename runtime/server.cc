@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/address.h"
 #include "runtime/call_log.h"
 #include "runtime/completion.h"
 #include "runtime/random.h"
@@ -243,6 +244,11 @@ ServerBuilder& ServerBuilder::AddListeningPort(std::string address,
   return *this;
 }
 
+ServerBuilder& ServerBuilder::SetPortReuse(bool reuse) {
+  port_reuse_ = reuse;
+  return *this;
+}
+
 ServerBuilder& ServerBuilder::RegisterService(Service* service) {
   services_.push_back(service);
   return *this;
@@ -310,6 +316,9 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
   if (ports_.empty()) {
     return absl::InvalidArgumentError(
         "ServerBuilder: no listening port; call AddListeningPort()");
+  }
+  for (const auto& [address, selected] : ports_) {
+    RDMARPC_RETURN_IF_ERROR(internal::CheckListenAddress(address));
   }
   const Device default_placement = placement_.value_or(
       CudaDeviceCount() > 0 ? Device::Cuda(0) : Device::Host());
@@ -425,10 +434,10 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
       return stats;
     };
   }
-  RDMARPC_ASSIGN_OR_RETURN(
-      auto grpc,
-      grpc_transport::GrpcServerTransport::Start(
-          ports_, server->dispatcher_.get(), std::move(internal_methods)));
+  RDMARPC_ASSIGN_OR_RETURN(auto grpc,
+                           grpc_transport::GrpcServerTransport::Start(
+                               ports_, port_reuse_, server->dispatcher_.get(),
+                               std::move(internal_methods)));
   server->transports_.push_back(std::move(grpc));
   if (rdma) server->transports_.push_back(std::move(rdma));
   return server;

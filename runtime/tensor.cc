@@ -107,6 +107,11 @@ StatusOr<TensorView> CallTensors::Get(const Tensor& field) const {
   if (const TensorBuffer* b = Find(field)) {
     return TensorView(*b, field.dtype(), std::move(shape));
   }
+  if (field.dtype() == DTYPE_UNSPECIFIED && field.data().empty()) {
+    return absl::NotFoundError(
+        "tensor field is missing: not set in the message (no dtype), not "
+        "bound with CallTensors::Set(), and not received in this call");
+  }
   // A message built the protobuf way: view its inline bytes.
   RDMARPC_ASSIGN_OR_RETURN(uint64_t expected,
                            TensorByteSize(field.dtype(), shape));

@@ -4,8 +4,10 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <typeindex>
 #include <typeinfo>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
@@ -299,6 +301,44 @@ Status CollectTensorsByReflection(const Message& msg, TensorList* out,
 bool WalksWithGeneratedWalker(const Message& msg) {
   const Layout* layout = CachedLayoutOf(msg);
   return layout != nullptr && layout->walker != nullptr;
+}
+
+namespace {
+
+// Appends to `path` the way from `msg` down to `target`; false when it is
+// not under `msg`.
+bool FindTensorPath(const Message& msg, const Tensor* target, int depth,
+                    std::string* path) {
+  if (depth > kMaxDepth) return false;
+  const Reflection* r = msg.GetReflection();
+  std::vector<const FieldDescriptor*> fields;
+  r->ListFields(msg, &fields);
+  for (const FieldDescriptor* f : fields) {
+    if (f->cpp_type() != FieldDescriptor::CPPTYPE_MESSAGE || f->is_map()) {
+      continue;
+    }
+    const size_t before = path->size();
+    const int count = f->is_repeated() ? r->FieldSize(msg, f) : 1;
+    for (int i = 0; i < count; ++i) {
+      const Message& child = f->is_repeated() ? r->GetRepeatedMessage(msg, f, i)
+                                              : r->GetMessage(msg, f);
+      absl::StrAppend(path, path->empty() ? "" : ".", f->name());
+      if (f->is_repeated()) absl::StrAppend(path, "[", i, "]");
+      if (&child == target || FindTensorPath(child, target, depth + 1, path)) {
+        return true;
+      }
+      path->resize(before);
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+std::string TensorFieldPath(const Message& msg, const Tensor& tensor) {
+  std::string path;
+  if (!FindTensorPath(msg, &tensor, 0, &path)) return "";
+  return path;
 }
 
 }  // namespace rdmarpc::internal

@@ -6,6 +6,8 @@
 #ifndef RDMARPC_RUNTIME_TENSOR_WALK_H_
 #define RDMARPC_RUNTIME_TENSOR_WALK_H_
 
+#include <string>
+
 #include "absl/container/inlined_vector.h"
 #include "google/protobuf/message.h"
 #include "rdmarpc/status.h"
@@ -42,6 +44,12 @@ Status CollectTensorsByReflection(const google::protobuf::Message& msg,
                                   TensorList* out, TopFieldList* top);
 // Whether walks of `msg`'s class run a generated walker.
 bool WalksWithGeneratedWalker(const google::protobuf::Message& msg);
+
+// The path of `tensor` inside `msg` ("input", "layers[2].weight") for error
+// messages, or "" when it is not there. A reflection search: not for the
+// datapath.
+std::string TensorFieldPath(const google::protobuf::Message& msg,
+                            const Tensor& tensor);
 
 }  // namespace rdmarpc::internal
 

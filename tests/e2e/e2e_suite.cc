@@ -4,6 +4,7 @@
 #include <functional>
 #include <future>
 #include <mutex>
+#include <utility>
 
 #include "e2e_fixture.h"
 
@@ -468,6 +469,80 @@ TEST_P(E2ETest, BadTensorDescriptionIsRejectedBeforeSending) {
   EchoResponse resp;
   EXPECT_EQ(stub_->Echo(&ctx2, req2, &resp).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+TEST_P(E2ETest, MalformedListeningAddressIsRefusedWithTheReason) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"nohost", "no port"},
+      {":notaport", "no host"},
+      {"", "empty"},
+      {"127.0.0.1:99999", "out of range"},
+      {"::1:5000", "brackets"},
+  };
+  for (const auto& [address, reason] : cases) {
+    E2EService service;
+    auto server = rdmarpc::ServerBuilder()
+                      .AddListeningPort(address)
+                      .RegisterService(&service)
+                      .BuildAndStart();
+    ASSERT_FALSE(server.ok()) << address;
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument)
+        << server.status();
+    EXPECT_NE(server.status().message().find(reason), std::string::npos)
+        << server.status();
+  }
+}
+
+TEST_P(E2ETest, MalformedTargetFailsEachCallWithTheReason) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"", "empty"},
+      {"127.0.0.1:99999", "out of range"},
+      {"127.0.0.1:0", "out of range"},
+      {"nohost", "no port"},
+  };
+  for (const auto& [target, reason] : cases) {
+    auto stub = E2E::NewStub(rdmarpc::CreateChannel(target));
+    ClientContext ctx;
+    EchoRequest req;
+    EchoResponse resp;
+    rdmarpc::Status s = stub->Echo(&ctx, req, &resp);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << target << s;
+    EXPECT_NE(s.message().find(reason), std::string::npos) << s;
+  }
+}
+
+// SO_REUSEPORT is off unless asked for: a second server on a port in use
+// fails instead of silently taking half its connections.
+TEST_P(E2ETest, PortInUseIsRefusedUnlessReuseIsAskedFor) {
+  E2EService service;
+  auto second = rdmarpc::ServerBuilder()
+                    .AddListeningPort("127.0.0.1:" + std::to_string(port_))
+                    .RegisterService(&service)
+                    .EnableRdma(false)
+                    .BuildAndStart();
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(second.status().message().find("in use"), std::string::npos)
+      << second.status();
+  EXPECT_NE(second.status().message().find("SetPortReuse"), std::string::npos)
+      << second.status();
+  // Two servers that both ask for it share a port.
+  int shared = 0;
+  auto first = rdmarpc::ServerBuilder()
+                   .AddListeningPort("127.0.0.1:0", &shared)
+                   .RegisterService(&service)
+                   .EnableRdma(false)
+                   .SetPortReuse(true)
+                   .BuildAndStart();
+  ASSERT_TRUE(first.ok()) << first.status();
+  E2EService other;
+  auto sharing = rdmarpc::ServerBuilder()
+                     .AddListeningPort("127.0.0.1:" + std::to_string(shared))
+                     .RegisterService(&other)
+                     .EnableRdma(false)
+                     .SetPortReuse(true)
+                     .BuildAndStart();
+  EXPECT_TRUE(sharing.ok()) << sharing.status();
 }
 
 }  // namespace

@@ -17,7 +17,9 @@
 #      else pointing at rdmarpc;
 #   4. check that neither the installed package nor the consumer's build
 #      refers to the rdmarpc source or build tree;
-#   5. build the consumer and run it; it must exit 0.
+#   5. build the consumer and run it; it must exit 0;
+#   6. build and run the project README.md shows, from its code blocks
+#      (readme_project.sh).
 # The temporary folder is removed on success and kept (path printed) on
 # failure. KEEP_INSTALL_TEST_DIR=1 keeps it always.
 set -euo pipefail
@@ -156,4 +158,13 @@ step "run the consumer"
 rc=0
 timeout 120 "$exe" || rc=$?
 ((rc == 0)) || fail "the consumer exited with status $rc (124: timed out)"
+step "build and run the README's project, from its code blocks"
+readme_args=(-G "$generator")
+[[ -n $make_program ]] && readme_args+=("-DCMAKE_MAKE_PROGRAM=$make_program")
+[[ -n $cxx ]] && readme_args+=("-DCMAKE_CXX_COMPILER=$cxx")
+if ! bash "$(dirname "$0")/readme_project.sh" "$source_dir/README.md" \
+    "$prefix" "$work/readme" "${readme_args[@]}"; then
+  fail "the README's snippets do not build or run as pasted"
+fi
+
 printf '\nPASS: a separate project built and ran against the installed rdmarpc package\n'

@@ -253,5 +253,42 @@ TEST(PlanOutgoingTest, BoundTensorsGoOutOfBandOthersInline) {
   EXPECT_EQ(plan->total_bytes, 10u);
 }
 
+// Errors name the field by its path in the message, and a field set but
+// holding no tensor is called missing.
+TEST(PlanOutgoingTest, ErrorsNameTheFieldAndSayMissing) {
+  Outer o;
+  o.add_layers();
+  o.add_layers()->mutable_bias();  // set, but no tensor in it
+  auto plan = PlanOutgoing(o, CallTensors());
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(plan.status().message().find("'layers[1].bias'"),
+            absl::string_view::npos)
+      << plan.status();
+  EXPECT_NE(plan.status().message().find("missing"), absl::string_view::npos)
+      << plan.status();
+
+  Outer unbound;
+  unbound.mutable_first()->set_dtype(DTYPE_F32);
+  unbound.mutable_first()->add_shape(4);
+  plan = PlanOutgoing(unbound, CallTensors());
+  ASSERT_FALSE(plan.ok());
+  EXPECT_NE(plan.status().message().find("tensor field 'first'"),
+            absl::string_view::npos)
+      << plan.status();
+  EXPECT_NE(plan.status().message().find("no buffer bound"),
+            absl::string_view::npos)
+      << plan.status();
+}
+
+TEST(TensorFieldPathTest, FindsNestedAndRepeatedFields) {
+  Outer o = Sample();
+  EXPECT_EQ(TensorFieldPath(o, o.first()), "first");
+  EXPECT_EQ(TensorFieldPath(o, o.extras(1)), "extras[1]");
+  EXPECT_EQ(TensorFieldPath(o, o.layers(1).weights()), "layers[1].weights");
+  Tensor elsewhere;
+  EXPECT_EQ(TensorFieldPath(o, elsewhere), "");
+}
+
 }  // namespace
 }  // namespace rdmarpc::internal

@@ -1,16 +1,33 @@
 #include "rdmarpc/memory.h"
 
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "runtime/cuda_support.h"
 #include "transport/rdma/gpu_registration.h"
 
 namespace rdmarpc {
 namespace {
+
+// Without a driver, the CUDA runtime reports "driver version is
+// insufficient": the status must say there is no driver instead.
+TEST(CudaDeviceStatusTest, NoDriverIsNotCalledAnOldDriver) {
+  if (void* driver = dlopen("libcuda.so.1", RTLD_LAZY)) {
+    dlclose(driver);
+    GTEST_SKIP() << "an NVIDIA driver is installed here";
+  }
+  Status s = CudaDeviceStatus(0);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.message().find("insufficient"), std::string::npos) << s;
+  EXPECT_TRUE(s.message().find("no NVIDIA driver") != std::string::npos ||
+              s.message().find("built without CUDA") != std::string::npos)
+      << s;
+}
 
 TEST(TensorBufferTest, AllocateOwnsAndSharesBytes) {
   auto b = TensorBuffer::Allocate(100);

@@ -73,6 +73,17 @@ TEST(CallTensorsTest, GetOfUnboundFieldIsNotFoundUnlessInline) {
   EXPECT_EQ(view->size(), 3u);
 }
 
+// A field never set (tensor.h promises NOT_FOUND) says it is missing
+// instead of blaming its dtype.
+TEST(CallTensorsTest, GetOfAFieldNeverSetIsNotFoundAndSaysMissing) {
+  CallTensors tensors;
+  Tensor field;
+  auto view = tensors.Get(field);
+  EXPECT_EQ(view.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(view.status().message().find("missing"), absl::string_view::npos)
+      << view.status();
+}
+
 // The first bindings are kept inline and later ones hashed: every one is
 // found, re-binding replaces, and Clear forgets both kinds.
 TEST(CallTensorsTest, ManyBindingsAreEachFoundAndReplaced) {

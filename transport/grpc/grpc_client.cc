@@ -95,6 +95,7 @@ class LeanCall {
     }
     for (const auto& [k, v] : ctx->metadata()) gctx_.AddMetadata(k, v);
     if (ctx->deadline()) gctx_.set_deadline(*ctx->deadline());
+    gctx_.set_wait_for_ready(ctx->wait_for_ready());
     // The metadata goes out with the first message, in one batch.
     gctx_.set_initial_metadata_corked(true);
     canceller_ = std::make_shared<GrpcCanceller>(&gctx_);

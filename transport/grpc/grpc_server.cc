@@ -5,12 +5,17 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 #include <grpcpp/support/proto_buffer_reader.h>
+#include <netdb.h>
 #include <pthread.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <climits>
 #include <condition_variable>
+#include <cstring>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -471,8 +476,43 @@ void GrpcServerTransport::Service::Stop() {
   }
 }
 
+namespace {
+
+// Why a host:port cannot be bound, found by binding it ourselves the way
+// gRPC does (gRPC only logs it): "Address already in use", or empty when
+// the probe binds (the port came free) or the address is not host:port.
+std::string WhyCannotBind(const std::string& address) {
+  size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return "";
+  std::string host = address.substr(0, colon);
+  std::string port = address.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &found)) {
+    return gai_strerror(rc);
+  }
+  std::string why;
+  for (addrinfo* a = found; a != nullptr && why.empty(); a = a->ai_next) {
+    int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    int one = 1;
+    (void)setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, a->ai_addr, a->ai_addrlen) != 0) why = std::strerror(errno);
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return why;
+}
+
+}  // namespace
+
 StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::Start(
-    const std::vector<std::pair<std::string, int*>>& ports,
+    const std::vector<std::pair<std::string, int*>>& ports, bool port_reuse,
     internal::Dispatcher* dispatcher,
     std::map<std::string, InternalMethod> internal_methods) {
   std::unique_ptr<GrpcServerTransport> t(new GrpcServerTransport());
@@ -488,13 +528,23 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::Start(
   t->service_->AddQueue(&builder);
   builder.SetMaxReceiveMessageSize(-1);
   builder.SetMaxSendMessageSize(-1);
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, port_reuse ? 1 : 0);
   t->server_ = builder.BuildAndStart();
-  std::string addresses;
-  for (const auto& p : ports) absl::StrAppend(&addresses, " ", p.first);
   if (t->server_ == nullptr) {
+    for (const auto& p : ports) {
+      std::string why = WhyCannotBind(p.first);
+      if (why.empty()) continue;
+      return absl::UnavailableError(
+          absl::StrCat("cannot listen on ", p.first, ": ", why,
+                       port_reuse ? ""
+                                  : " (to share a port on purpose: "
+                                    "ServerBuilder::SetPortReuse(true))"));
+    }
+    std::string addresses;
+    for (const auto& p : ports) absl::StrAppend(&addresses, " ", p.first);
     return absl::UnavailableError(
         absl::StrCat("cannot start the gRPC server on", addresses,
-                     " (address in use, or not an address of this machine?)"));
+                     " (not an address of this machine?)"));
   }
   for (size_t i = 0; i < ports.size(); ++i) {
     if (bound[i] == 0) {

@@ -27,9 +27,10 @@ class GrpcServerTransport final : public internal::ServerTransport {
   using InternalMethod = std::function<StatusOr<std::string>(
       const std::string& peer, const std::string& request)>;
 
-  // Binds `ports` (address, optional out-param for the bound port).
+  // Binds `ports` (address, optional out-param for the bound port); with
+  // `port_reuse`, alongside other listeners on the same port (SO_REUSEPORT).
   static StatusOr<std::unique_ptr<GrpcServerTransport>> Start(
-      const std::vector<std::pair<std::string, int*>>& ports,
+      const std::vector<std::pair<std::string, int*>>& ports, bool port_reuse,
       internal::Dispatcher* dispatcher,
       std::map<std::string, InternalMethod> internal_methods = {});
 

@@ -92,6 +92,8 @@ class Channel final : public ChannelInterface {
                           std::function<void(Status)> done,
                           bool done_runs_inline, bool caller_drives = false);
   std::string target_;
+  // OK, or why target_ is not one (every call fails with it).
+  Status target_error_;
   ChannelOptions options_;
   std::atomic<uint64_t> next_call_id_{1};
   std::unique_ptr<internal::ClientTransport> grpc_;
@@ -99,7 +101,9 @@ class Channel final : public ChannelInterface {
 };
 
 // Creates a channel to `target` ("host:port", "[v6]:port", "unix:path").
-// Connecting is lazy: errors surface on the first call.
+// Connecting is lazy: errors surface on the first call. A malformed target
+// (no port, a port out of range, empty) fails every call with
+// INVALID_ARGUMENT naming what is wrong.
 std::shared_ptr<Channel> CreateChannel(std::string target,
                                        ChannelOptions options = {});
 

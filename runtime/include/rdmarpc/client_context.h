@@ -78,6 +78,14 @@ class ClientContext {
     return deadline_;
   }
 
+  // Whether the call waits for the server to become reachable (until its
+  // deadline) instead of failing UNAVAILABLE at once while none answers,
+  // as gRPC's wait-for-ready. It applies where gRPC carries the call: under
+  // the 'auto' and 'grpc' policies, a call made while no server listens
+  // goes over gRPC and waits there. Default: no.
+  void set_wait_for_ready(bool wait) { wait_for_ready_ = wait; }
+  bool wait_for_ready() const { return wait_for_ready_; }
+
   // Sent to the server with the request. Keys are lower case ASCII; keys
   // starting with "rdmarpc-" or "grpc-" are reserved.
   void AddMetadata(std::string key, std::string value) {
@@ -148,6 +156,7 @@ class ClientContext {
   void DetachCanceller();
 
   std::optional<std::chrono::system_clock::time_point> deadline_;
+  bool wait_for_ready_ = false;
   std::multimap<std::string, std::string> metadata_;
   Device placement_ = Device::Host();
   void* cuda_stream_ = nullptr;

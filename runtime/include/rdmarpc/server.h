@@ -179,10 +179,18 @@ class ServerBuilder {
   ~ServerBuilder();
 
   // Listens for gRPC, plain and rdmarpc's own, and RDMA handshakes on `address`
-  // ("0.0.0.0:50051"; port 0 picks a free one). `selected_port`, if given,
-  // receives the bound port once BuildAndStart() returns.
+  // ("0.0.0.0:50051", "[::]:50051"; port 0 picks a free one). `selected_port`,
+  // if given, receives the bound port once BuildAndStart() returns. A
+  // malformed address makes BuildAndStart() fail with INVALID_ARGUMENT
+  // naming what is wrong.
   ServerBuilder& AddListeningPort(std::string address,
                                   int* selected_port = nullptr);
+
+  // Whether another process (or server) may listen on the same port, the
+  // kernel spreading connections over them (SO_REUSEPORT). Default: no, so
+  // a port already in use makes BuildAndStart() fail instead of silently
+  // sharing it.
+  ServerBuilder& SetPortReuse(bool reuse);
 
   // Registers `service`; it must outlive the server. The same method path
   // registered twice makes BuildAndStart() fail.
@@ -242,12 +250,14 @@ class ServerBuilder {
   //       .SetMethodBlocking("/store.Store/LoadFromDisk");
   ServerBuilder& SetMethodBlocking(std::string method_path);
 
-  // Starts serving. INVALID_ARGUMENT for a bad configuration, UNAVAILABLE if
-  // the port cannot be bound.
+  // Starts serving. INVALID_ARGUMENT for a bad configuration or address,
+  // UNAVAILABLE if the port cannot be bound (the message says why, e.g.
+  // "address already in use").
   StatusOr<std::unique_ptr<Server>> BuildAndStart();
 
  private:
   std::vector<std::pair<std::string, int*>> ports_;
+  bool port_reuse_ = false;
   std::vector<Service*> services_;
   int workers_ = 0;
   std::optional<Device> placement_;
