@@ -249,6 +249,12 @@ ServerBuilder& ServerBuilder::SetPortReuse(bool reuse) {
   return *this;
 }
 
+ServerBuilder& ServerBuilder::SetKeepalivePermit(
+    std::chrono::milliseconds min_interval) {
+  keepalive_permit_ = min_interval;
+  return *this;
+}
+
 ServerBuilder& ServerBuilder::RegisterService(Service* service) {
   services_.push_back(service);
   return *this;
@@ -434,10 +440,12 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
       return stats;
     };
   }
-  RDMARPC_ASSIGN_OR_RETURN(auto grpc,
-                           grpc_transport::GrpcServerTransport::Start(
-                               ports_, port_reuse_, server->dispatcher_.get(),
-                               std::move(internal_methods)));
+  RDMARPC_ASSIGN_OR_RETURN(
+      auto grpc,
+      grpc_transport::GrpcServerTransport::Start(
+          ports_,
+          {.port_reuse = port_reuse_, .keepalive_permit = keepalive_permit_},
+          server->dispatcher_.get(), std::move(internal_methods)));
   server->transports_.push_back(std::move(grpc));
   if (rdma) server->transports_.push_back(std::move(rdma));
   return server;

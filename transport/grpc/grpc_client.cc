@@ -434,6 +434,13 @@ GrpcClientTransport::GrpcClientTransport(const std::string& target,
         args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
         args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 5000);
         args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+        if (options.keepalive_time.count() > 0) {
+          args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS,
+                      static_cast<int>(options.keepalive_time.count()));
+          args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                      static_cast<int>(options.keepalive_timeout.count()));
+          args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+        }
         return grpc::CreateCustomChannel(
             target, grpc::InsecureChannelCredentials(), args);
       }()),

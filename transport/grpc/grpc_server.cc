@@ -512,8 +512,8 @@ std::string WhyCannotBind(const std::string& address) {
 }  // namespace
 
 StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::Start(
-    const std::vector<std::pair<std::string, int*>>& ports, bool port_reuse,
-    internal::Dispatcher* dispatcher,
+    const std::vector<std::pair<std::string, int*>>& ports,
+    const ListenOptions& listen, internal::Dispatcher* dispatcher,
     std::map<std::string, InternalMethod> internal_methods) {
   std::unique_ptr<GrpcServerTransport> t(new GrpcServerTransport());
   t->service_ =
@@ -528,17 +528,24 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::Start(
   t->service_->AddQueue(&builder);
   builder.SetMaxReceiveMessageSize(-1);
   builder.SetMaxSendMessageSize(-1);
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, port_reuse ? 1 : 0);
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT,
+                             listen.port_reuse ? 1 : 0);
+  if (listen.keepalive_permit.count() > 0) {
+    builder.AddChannelArgument(
+        GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+        static_cast<int>(listen.keepalive_permit.count()));
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  }
   t->server_ = builder.BuildAndStart();
   if (t->server_ == nullptr) {
     for (const auto& p : ports) {
       std::string why = WhyCannotBind(p.first);
       if (why.empty()) continue;
-      return absl::UnavailableError(
-          absl::StrCat("cannot listen on ", p.first, ": ", why,
-                       port_reuse ? ""
-                                  : " (to share a port on purpose: "
-                                    "ServerBuilder::SetPortReuse(true))"));
+      return absl::UnavailableError(absl::StrCat(
+          "cannot listen on ", p.first, ": ", why,
+          listen.port_reuse ? ""
+                            : " (to share a port on purpose: "
+                              "ServerBuilder::SetPortReuse(true))"));
     }
     std::string addresses;
     for (const auto& p : ports) absl::StrAppend(&addresses, " ", p.first);

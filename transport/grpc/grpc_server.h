@@ -6,6 +6,7 @@
 
 #include <grpcpp/server.h>
 
+#include <chrono>
 #include <functional>
 #include <map>
 #include <memory>
@@ -27,11 +28,18 @@ class GrpcServerTransport final : public internal::ServerTransport {
   using InternalMethod = std::function<StatusOr<std::string>(
       const std::string& peer, const std::string& request)>;
 
-  // Binds `ports` (address, optional out-param for the bound port); with
-  // `port_reuse`, alongside other listeners on the same port (SO_REUSEPORT).
+  // How the gRPC server listens; see ServerBuilder.
+  struct ListenOptions {
+    // Alongside other listeners on the same port (SO_REUSEPORT).
+    bool port_reuse = false;
+    // Keepalive pings allowed this often (0: gRPC's default).
+    std::chrono::milliseconds keepalive_permit{0};
+  };
+
+  // Binds `ports` (address, optional out-param for the bound port).
   static StatusOr<std::unique_ptr<GrpcServerTransport>> Start(
-      const std::vector<std::pair<std::string, int*>>& ports, bool port_reuse,
-      internal::Dispatcher* dispatcher,
+      const std::vector<std::pair<std::string, int*>>& ports,
+      const ListenOptions& listen, internal::Dispatcher* dispatcher,
       std::map<std::string, InternalMethod> internal_methods = {});
 
   ~GrpcServerTransport() override;

@@ -76,6 +76,19 @@ struct ChannelOptions {
   // How RDMA reaches tensors in GPU memory (see GpuRdmaMode in
   // rdmarpc/memory.h); CallStats::gpu_rdma_mode says what each call used.
   GpuRdmaMode gpu_rdma_mode = GpuRdmaMode::kAuto;
+
+  // gRPC keepalive on the channel's gRPC connection, as gRPC's
+  // GRPC_ARG_KEEPALIVE_TIME_MS / _TIMEOUT_MS: after `keepalive_time`
+  // without traffic the client pings, and a ping unanswered for
+  // `keepalive_timeout` closes the connection, failing its calls with
+  // UNAVAILABLE instead of leaving them waiting on a server that went away
+  // silently (a host that froze or dropped off the network). 0: off (the
+  // default, as in gRPC). The server must allow pings that often
+  // (ServerBuilder::SetKeepalivePermit) or it closes the connection with
+  // "too_many_pings". Calls over RDMA have their own watch
+  // (rdma_peer_timeout).
+  std::chrono::milliseconds keepalive_time{0};
+  std::chrono::milliseconds keepalive_timeout{20000};
 };
 
 // A channel's RDMA health; see the diagram at the top of this file.

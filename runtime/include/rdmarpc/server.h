@@ -192,6 +192,12 @@ class ServerBuilder {
   // sharing it.
   ServerBuilder& SetPortReuse(bool reuse);
 
+  // Lets clients send keepalive pings (ChannelOptions::keepalive_time) as
+  // often as every `min_interval`, with or without calls in flight. By
+  // default the server follows gRPC: a client pinging more often than every
+  // 5 minutes is closed with "too_many_pings".
+  ServerBuilder& SetKeepalivePermit(std::chrono::milliseconds min_interval);
+
   // Registers `service`; it must outlive the server. The same method path
   // registered twice makes BuildAndStart() fail.
   ServerBuilder& RegisterService(Service* service);
@@ -258,6 +264,7 @@ class ServerBuilder {
  private:
   std::vector<std::pair<std::string, int*>> ports_;
   bool port_reuse_ = false;
+  std::chrono::milliseconds keepalive_permit_{0};
   std::vector<Service*> services_;
   int workers_ = 0;
   std::optional<Device> placement_;
