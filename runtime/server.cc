@@ -249,6 +249,16 @@ ServerBuilder& ServerBuilder::SetPortReuse(bool reuse) {
   return *this;
 }
 
+ServerBuilder& ServerBuilder::SetHealthService(bool enable) {
+  health_service_ = enable;
+  return *this;
+}
+
+ServerBuilder& ServerBuilder::EnableReflection(bool enable) {
+  reflection_ = enable;
+  return *this;
+}
+
 ServerBuilder& ServerBuilder::SetKeepalivePermit(
     std::chrono::milliseconds min_interval) {
   keepalive_permit_ = min_interval;
@@ -396,6 +406,10 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
           ? workers_
           : std::max(4, static_cast<int>(std::thread::hardware_concurrency()));
   std::unique_ptr<Server> server(new Server());
+  for (const auto& [path, method] : methods) {
+    // "/package.Service/Method" -> "package.Service"
+    server->service_names_.insert(path.substr(1, path.rfind('/') - 1));
+  }
   if (Status receives = rdma::CheckReceives(
           rdma_receives_, rdma::ConnectionConfig{}.receive_bytes,
           "ServerBuilder::SetRdmaReceives");
@@ -441,11 +455,20 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
     };
   }
   RDMARPC_ASSIGN_OR_RETURN(
-      auto grpc,
-      grpc_transport::GrpcServerTransport::Start(
-          ports_,
-          {.port_reuse = port_reuse_, .keepalive_permit = keepalive_permit_},
-          server->dispatcher_.get(), std::move(internal_methods)));
+      auto grpc, grpc_transport::GrpcServerTransport::Start(
+                     ports_,
+                     {.port_reuse = port_reuse_,
+                      .keepalive_permit = keepalive_permit_,
+                      .services = {server->service_names_.begin(),
+                                   server->service_names_.end()},
+                      .health = health_service_,
+                      .reflection = reflection_},
+                     server->dispatcher_.get(), std::move(internal_methods)));
+  grpc_transport::GrpcServerTransport* grpc_raw = grpc.get();
+  server->set_serving_status_ = [grpc_raw](const std::string& service,
+                                           bool serving) {
+    return grpc_raw->SetServingStatus(service, serving);
+  };
   server->transports_.push_back(std::move(grpc));
   if (rdma) server->transports_.push_back(std::move(rdma));
   return server;
@@ -473,6 +496,21 @@ void Server::Shutdown(std::chrono::system_clock::time_point deadline) {
     shutdown_done_ = true;
   }
   cv_.notify_all();
+}
+
+Status Server::SetServingStatus(const std::string& service, bool serving) {
+  if (!service.empty() && !service_names_.contains(service)) {
+    return absl::NotFoundError(
+        absl::StrCat("Server::SetServingStatus: the server runs no service ",
+                     service, " (give its full name, e.g. demo.Inference)"));
+  }
+  // Under mu_, so that Shutdown() cannot take the transport away meanwhile.
+  std::lock_guard<std::mutex> lock(mu_);
+  if (shutdown_started_) {
+    return absl::FailedPreconditionError(
+        "Server::SetServingStatus: the server is shutting down");
+  }
+  return set_serving_status_(service, serving);
 }
 
 RdmaServerStats Server::rdma_stats() const { return rdma_stats_(); }

@@ -7,6 +7,8 @@ packages=(
   build-essential cmake ninja-build pkg-config git
   libprotobuf-dev libprotoc-dev protobuf-compiler
   libgrpc++-dev protobuf-compiler-grpc
+  # tests/interop: health.proto and reflection.proto for the python client.
+  grpc-proto
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   libibverbs-dev librdmacm-dev
   python3 python3-grpcio python3-protobuf

@@ -76,6 +76,8 @@ int main(int argc, char** argv) {
   auto server = rdmarpc::ServerBuilder()
                     .AddListeningPort("0.0.0.0:" + port, &bound)
                     .RegisterService(&service)
+                    // grpcurl and other gRPC tools can list and call it.
+                    .EnableReflection(true)
                     .BuildAndStart();
   if (!server.ok()) {
     std::cerr << "hello_tensor_server: " << server.status() << "\n";

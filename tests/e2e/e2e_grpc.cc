@@ -1,5 +1,8 @@
 // The end-to-end suite over the gRPC transport: forced, and chosen by the
 // default 'auto' policy in a build without RDMA.
+#include <grpcpp/create_channel.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/security/credentials.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -141,6 +144,107 @@ TEST(Keepalive, CallToAFrozenServerFailsUnavailable) {
   child.Freeze();
   rdmarpc::Status s = done.get();
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+}
+
+// grpc.health.v1.Health/Check over a plain gRPC channel, with the request
+// and response encoded by hand: HealthCheckRequest{service = 1} and
+// HealthCheckResponse{status = 1} (1 SERVING, 2 NOT_SERVING).
+struct HealthAnswer {
+  grpc::StatusCode code;
+  int status = 0;
+};
+
+HealthAnswer CheckHealth(int port, const std::string& service) {
+  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                                     grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  std::string request;
+  if (!service.empty()) {
+    request.push_back('\x0a');
+    request.push_back(static_cast<char>(service.size()));
+    request += service;
+  }
+  grpc::Slice slice(request);
+  grpc::ByteBuffer request_buffer(&slice, 1);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  grpc::CompletionQueue cq;
+  auto call = stub.PrepareUnaryCall(&ctx, "/grpc.health.v1.Health/Check",
+                                    request_buffer, &cq);
+  call->StartCall();
+  grpc::ByteBuffer response;
+  grpc::Status status;
+  call->Finish(&response, &status, reinterpret_cast<void*>(1));
+  void* tag = nullptr;
+  bool ok = false;
+  EXPECT_TRUE(cq.Next(&tag, &ok));
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  HealthAnswer answer{status.error_code()};
+  std::vector<grpc::Slice> slices;
+  if (status.ok() && response.Dump(&slices).ok()) {
+    std::string bytes;
+    for (const auto& s : slices) {
+      bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+    // An absent field is 0 (UNKNOWN); else 0x08 <varint>.
+    if (bytes.size() == 2 && bytes[0] == 0x08) answer.status = bytes[1];
+  }
+  return answer;
+}
+
+// The health service reports the server and each service SERVING, follows
+// Server::SetServingStatus, and says NOT_FOUND for a service it lacks.
+TEST(HealthService, ReportsEachServiceAndFollowsSetServingStatus) {
+  E2EService service;
+  int port = 0;
+  auto server = StartE2EServer(&service, &port);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string name = "rdmarpc_test.E2E";
+
+  EXPECT_EQ(CheckHealth(port, "").status, 1);
+  EXPECT_EQ(CheckHealth(port, name).status, 1);
+  EXPECT_EQ(CheckHealth(port, "no.Such").code, grpc::StatusCode::NOT_FOUND);
+
+  ASSERT_TRUE((*server)->SetServingStatus(name, false).ok());
+  EXPECT_EQ(CheckHealth(port, name).status, 2);
+  ASSERT_TRUE((*server)->SetServingStatus(name, true).ok());
+  EXPECT_EQ(CheckHealth(port, name).status, 1);
+  // "" drains the whole server.
+  ASSERT_TRUE((*server)->SetServingStatus("", false).ok());
+  EXPECT_EQ(CheckHealth(port, "").status, 2);
+  EXPECT_EQ(CheckHealth(port, name).status, 2);
+
+  rdmarpc::Status unknown = (*server)->SetServingStatus("no.Such", false);
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kNotFound) << unknown;
+  EXPECT_NE(unknown.message().find("no.Such"), std::string_view::npos)
+      << unknown;
+
+  (*server)->Shutdown();
+  EXPECT_EQ((*server)->SetServingStatus(name, true).code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(HealthService, OffWhenTheBuilderSaysSo) {
+  E2EService service;
+  int port = 0;
+  auto server = rdmarpc::ServerBuilder()
+                    .AddListeningPort("127.0.0.1:0", &port)
+                    .RegisterService(&service)
+                    .SetHealthService(false)
+                    .BuildAndStart();
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ(CheckHealth(port, "").code, grpc::StatusCode::UNIMPLEMENTED);
+  rdmarpc::Status s = (*server)->SetServingStatus("", false);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  // A server built afterwards in the same process still gets one: the
+  // builder does not leave gRPC's global switch off.
+  E2EService other_service;
+  int other_port = 0;
+  auto other = StartE2EServer(&other_service, &other_port);
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_EQ(CheckHealth(other_port, "").status, 1);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "transport/grpc/grpc_server.h"
 
 #include <grpcpp/generic/async_generic_service.h>
+#include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/impl/codegen/proto_utils.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
@@ -526,6 +527,18 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::Start(
   }
   builder.RegisterAsyncGenericService(t->service_->generic());
   t->service_->AddQueue(&builder);
+  if (listen.reflection) {
+    std::vector<std::string> listed = listen.services;
+    if (listen.health) listed.push_back("grpc.health.v1.Health");
+    listed.push_back("grpc.reflection.v1.ServerReflection");
+    listed.push_back("grpc.reflection.v1alpha.ServerReflection");
+    t->reflection_ = std::make_unique<ReflectionAnswerer>(std::move(listed));
+    for (std::string_view version : {"v1", "v1alpha"}) {
+      t->reflection_services_.push_back(
+          MakeReflectionService(version, t->reflection_.get()));
+      builder.RegisterService(t->reflection_services_.back().get());
+    }
+  }
   builder.SetMaxReceiveMessageSize(-1);
   builder.SetMaxSendMessageSize(-1);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT,
@@ -536,7 +549,14 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::Start(
         static_cast<int>(listen.keepalive_permit.count()));
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   }
-  t->server_ = builder.BuildAndStart();
+  {
+    // gRPC adds its health service to the servers built while this global
+    // switch is on; put it back for the program's own servers.
+    const bool health_was = grpc::DefaultHealthCheckServiceEnabled();
+    grpc::EnableDefaultHealthCheckService(listen.health);
+    t->server_ = builder.BuildAndStart();
+    grpc::EnableDefaultHealthCheckService(health_was);
+  }
   if (t->server_ == nullptr) {
     for (const auto& p : ports) {
       std::string why = WhyCannotBind(p.first);
@@ -561,12 +581,35 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::Start(
     }
     if (ports[i].second != nullptr) *ports[i].second = bound[i];
   }
+  if (grpc::HealthCheckServiceInterface* health =
+          t->server_->GetHealthCheckService()) {
+    for (const std::string& name : listen.services) {
+      health->SetServingStatus(name, true);
+    }
+  }
   // Each step of a call is short (handlers run on the worker pool unless
   // the server runs them inline, where they must not block): a few threads
   // keep one slow step from holding up the rest.
   t->service_->Run(static_cast<int>(
       std::clamp(std::thread::hardware_concurrency(), 2u, 4u)));
   return t;
+}
+
+Status GrpcServerTransport::SetServingStatus(const std::string& service,
+                                             bool serving) {
+  grpc::HealthCheckServiceInterface* health =
+      server_ == nullptr ? nullptr : server_->GetHealthCheckService();
+  if (health == nullptr) {
+    return absl::FailedPreconditionError(
+        "the server runs no health service (ServerBuilder::SetHealthService) "
+        "or has shut down");
+  }
+  if (service.empty()) {
+    health->SetServingStatus(serving);
+  } else {
+    health->SetServingStatus(service, serving);
+  }
+  return absl::OkStatus();
 }
 
 GrpcServerTransport::~GrpcServerTransport() {

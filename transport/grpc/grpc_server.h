@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "runtime/transport.h"
+#include "transport/grpc/reflection.h"
 
 namespace rdmarpc::grpc_transport {
 
@@ -34,6 +35,13 @@ class GrpcServerTransport final : public internal::ServerTransport {
     bool port_reuse = false;
     // Keepalive pings allowed this often (0: gRPC's default).
     std::chrono::milliseconds keepalive_permit{0};
+    // The services served (full names, "demo.Inference"): the health
+    // service reports each, reflection lists them.
+    std::vector<std::string> services;
+    // grpc.health.v1.Health, every service SERVING until shutdown.
+    bool health = true;
+    // grpc.reflection.v1 and v1alpha.
+    bool reflection = false;
   };
 
   // Binds `ports` (address, optional out-param for the bound port).
@@ -46,10 +54,16 @@ class GrpcServerTransport final : public internal::ServerTransport {
 
   void Shutdown(std::chrono::system_clock::time_point deadline) override;
 
+  // What the health service answers for `service` ("" is the whole
+  // server). FAILED_PRECONDITION when the server runs no health service.
+  Status SetServingStatus(const std::string& service, bool serving);
+
  private:
   GrpcServerTransport() = default;
 
   std::unique_ptr<Service> service_;
+  std::unique_ptr<ReflectionAnswerer> reflection_;
+  std::vector<std::unique_ptr<grpc::Service>> reflection_services_;
   std::unique_ptr<grpc::Server> server_;
 };
 

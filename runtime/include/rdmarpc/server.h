@@ -198,6 +198,18 @@ class ServerBuilder {
   // 5 minutes is closed with "too_many_pings".
   ServerBuilder& SetKeepalivePermit(std::chrono::milliseconds min_interval);
 
+  // Serves the standard health service (grpc.health.v1.Health) on the gRPC
+  // port. Default: yes. The server and each registered service report
+  // SERVING until shutdown (then NOT_SERVING); Server::SetServingStatus
+  // changes that, e.g. to drain a replica before stopping it.
+  ServerBuilder& SetHealthService(bool enable);
+
+  // Serves gRPC server reflection (grpc.reflection.v1 and v1alpha) on the
+  // gRPC port, so that grpcurl or a generated reflection client can list
+  // the services and fetch their .proto descriptors. Default: no, as in
+  // gRPC: it shows every message type linked into the program.
+  ServerBuilder& EnableReflection(bool enable);
+
   // Registers `service`; it must outlive the server. The same method path
   // registered twice makes BuildAndStart() fail.
   ServerBuilder& RegisterService(Service* service);
@@ -265,6 +277,8 @@ class ServerBuilder {
   std::vector<std::pair<std::string, int*>> ports_;
   bool port_reuse_ = false;
   std::chrono::milliseconds keepalive_permit_{0};
+  bool health_service_ = true;
+  bool reflection_ = false;
   std::vector<Service*> services_;
   int workers_ = 0;
   std::optional<Device> placement_;
@@ -294,6 +308,12 @@ class Server {
   // Blocks until Shutdown() has completed (from another thread).
   void Wait();
 
+  // What the health service reports for `service` ("demo.Inference"); an
+  // empty name sets the server and every service at once. NOT_FOUND for a
+  // service the server does not run, FAILED_PRECONDITION without a health
+  // service or once shutdown has begun.
+  Status SetServingStatus(const std::string& service, bool serving);
+
   // The RDMA transport's counters, the call log's and the handlers' (zero
   // once shut down).
   RdmaServerStats rdma_stats() const;
@@ -307,6 +327,8 @@ class Server {
   std::unique_ptr<internal::ServerDispatcher> dispatcher_;
   std::vector<std::unique_ptr<internal::ServerTransport>> transports_;
   std::function<RdmaServerStats()> rdma_stats_;
+  std::set<std::string> service_names_;
+  std::function<Status(const std::string&, bool)> set_serving_status_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool shutdown_started_ = false;
