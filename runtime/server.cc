@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "rdmarpc/diagnostics.pb.h"
 #include "runtime/address.h"
 #include "runtime/call_log.h"
 #include "runtime/completion.h"
@@ -48,6 +49,26 @@ CallTensors& ServerContext::tensors() { return state_->tensors; }
 void ServerContext::set_cuda_stream(void* stream) {
   state_->cuda_stream = stream;
 }
+
+namespace {
+
+// rdmarpc.Diagnostics, which every server runs: `rdmarpc ping` calls it.
+class DiagnosticsService final : public Service {
+ public:
+  explicit DiagnosticsService(const Server* server) {
+    AddUnaryMethod<PingRequest, PingResponse>(
+        "/rdmarpc.Diagnostics/Ping",
+        [server](ServerContext* ctx, const PingRequest& request,
+                 PingResponse* response) {
+          response->set_payload(request.payload());
+          response->set_served_over(TransportName(ctx->transport()));
+          response->set_server_rdma(server->rdma_stats().status);
+          return absl::OkStatus();
+        });
+  }
+};
+
+}  // namespace
 
 namespace internal {
 namespace {
@@ -338,8 +359,12 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
   }
   const Device default_placement = placement_.value_or(
       CudaDeviceCount() > 0 ? Device::Cuda(0) : Device::Host());
+  std::unique_ptr<Server> server(new Server());
+  DiagnosticsService diagnostics(server.get());
+  std::vector<Service*> services = services_;
+  services.push_back(&diagnostics);
   absl::flat_hash_map<std::string, internal::ServerMethod> methods;
-  for (Service* service : services_) {
+  for (Service* service : services) {
     if (service == nullptr) {
       return absl::InvalidArgumentError("ServerBuilder: null service");
     }
@@ -405,7 +430,6 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
       workers_ > 0
           ? workers_
           : std::max(4, static_cast<int>(std::thread::hardware_concurrency()));
-  std::unique_ptr<Server> server(new Server());
   for (const auto& [path, method] : methods) {
     // "/package.Service/Method" -> "package.Service"
     server->service_names_.insert(path.substr(1, path.rfind('/') - 1));

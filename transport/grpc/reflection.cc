@@ -104,11 +104,17 @@ StatusOr<std::string> ReflectionAnswerer::Answer(
   for (int i = 0; i < fields.field_count(); ++i) {
     const UnknownField& f = fields.field(i);
     if (f.type() != UnknownField::TYPE_LENGTH_DELIMITED) continue;
-    if (f.number() == request::kHost) {
-      host = f.length_delimited();
-    } else if (f.number() >= request::kFileByFilename &&
-               f.number() <= request::kListServices) {
-      asked = &f;
+    switch (f.number()) {
+      case request::kHost:
+        host = f.length_delimited();
+        break;
+      case request::kFileByFilename:
+      case request::kFileContainingSymbol:
+      case request::kFileContainingExtension:
+      case request::kAllExtensionNumbersOfType:
+      case request::kListServices:
+        asked = &f;
+        break;
     }
   }
 
@@ -171,7 +177,7 @@ StatusOr<std::string> ReflectionAnswerer::Answer(
       SetError(&answer, absl::StatusCode::kNotFound,
                absl::StrCat("extension ", number, " of ", type, " not found"));
     }
-  } else {  // all_extension_numbers_of_type
+  } else {  // kAllExtensionNumbersOfType
     const std::string& type = asked->length_delimited();
     if (const Descriptor* message = pool_->FindMessageTypeByName(type)) {
       std::vector<const FieldDescriptor*> extensions;

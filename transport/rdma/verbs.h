@@ -40,6 +40,10 @@ struct VerbsDeleter {
   }
 };
 
+using DeviceList =
+    std::unique_ptr<ibv_device*, VerbsDeleter<ibv_free_device_list>>;
+using DeviceContext =
+    std::unique_ptr<ibv_context, VerbsDeleter<ibv_close_device>>;
 using EventChannel = std::unique_ptr<rdma_event_channel,
                                      VerbsDeleter<rdma_destroy_event_channel>>;
 // An event channel that every id on it keeps open: destroying an id whose
