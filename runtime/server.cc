@@ -87,9 +87,10 @@ class ServerDispatcher final : public Dispatcher {
  public:
   ServerDispatcher(absl::flat_hash_map<std::string, ServerMethod> methods,
                    int workers, uint64_t max_request_tensor_bytes,
-                   bool run_inline)
+                   uint32_t max_calls_per_connection, bool run_inline)
       : methods_(std::move(methods)),
         max_request_tensor_bytes_(max_request_tensor_bytes),
+        max_calls_per_connection_(max_calls_per_connection),
         run_inline_(run_inline),
         log_(CallLog::Options{.run_repeat_answer =
                                   [this](std::function<void()> answer) {
@@ -141,11 +142,29 @@ class ServerDispatcher final : public Dispatcher {
       state->logged = true;
       if (!log_.Admit(state, done)) return;  // a repeat: the log answers it
     }
+    // Counted until the handler's outcome is in (not until it is sent).
+    if (state->connection_calls != nullptr &&
+        state->connection_calls->fetch_add(1, std::memory_order_relaxed) >=
+            max_calls_per_connection_) {
+      state->connection_calls->fetch_sub(1, std::memory_order_relaxed);
+      over_connection_limit_.fetch_add(1, std::memory_order_relaxed);
+      Status refused = absl::ResourceExhaustedError(absl::StrCat(
+          "the server runs at most ", max_calls_per_connection_,
+          " calls at once per connection and this connection has that many "
+          "running: wait for some to finish, spread calls over more "
+          "channels, or raise the limit "
+          "(ServerBuilder::SetMaxCallsPerConnection)"));
+      if (state->logged) log_.Finished(*state, refused, nullptr);
+      return done(std::move(refused), nullptr);
+    }
     const bool method_blocking = state->method().blocking;
     auto task = [this, state = std::move(state), request = std::move(request),
                  done = std::move(done)] {
       auto finish = [&](Status s,
                         std::unique_ptr<google::protobuf::Message> response) {
+        if (state->connection_calls != nullptr) {
+          state->connection_calls->fetch_sub(1, std::memory_order_relaxed);
+        }
         if (state->logged) log_.Finished(*state, s, response.get());
         done(std::move(s), std::move(response));
       };
@@ -214,7 +233,9 @@ class ServerDispatcher final : public Dispatcher {
                 not_started_cancelled_.load(std::memory_order_relaxed),
             .not_started_past_deadline =
                 not_started_past_deadline_.load(std::memory_order_relaxed),
-            .inline_stalls = inline_stalls_.load(std::memory_order_relaxed)};
+            .inline_stalls = inline_stalls_.load(std::memory_order_relaxed),
+            .over_connection_limit =
+                over_connection_limit_.load(std::memory_order_relaxed)};
   }
 
  private:
@@ -240,11 +261,13 @@ class ServerDispatcher final : public Dispatcher {
 
   absl::flat_hash_map<std::string, ServerMethod> methods_;
   uint64_t max_request_tensor_bytes_;
+  uint32_t max_calls_per_connection_;
   bool run_inline_;
   std::atomic<uint64_t> started_{0};
   std::atomic<uint64_t> not_started_cancelled_{0};
   std::atomic<uint64_t> not_started_past_deadline_{0};
   std::atomic<uint64_t> inline_stalls_{0};
+  std::atomic<uint64_t> over_connection_limit_{0};
   CallLog log_;
   ThreadPool pool_;
   std::mutex sweep_mu_;
@@ -316,6 +339,16 @@ ServerBuilder& ServerBuilder::SetFieldTensorPlacement(std::string method_path,
 
 ServerBuilder& ServerBuilder::SetGpuRdmaMode(GpuRdmaMode mode) {
   gpu_rdma_mode_ = mode;
+  return *this;
+}
+
+ServerBuilder& ServerBuilder::SetMaxCallsPerConnection(uint32_t calls) {
+  max_calls_per_connection_ = calls;
+  return *this;
+}
+
+ServerBuilder& ServerBuilder::SetMaxRdmaConnections(uint32_t connections) {
+  max_rdma_connections_ = connections;
   return *this;
 }
 
@@ -441,13 +474,15 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
     return receives;
   }
   server->dispatcher_ = std::make_unique<internal::ServerDispatcher>(
-      std::move(methods), workers, max_request_tensor_bytes_, handlers_inline_);
+      std::move(methods), workers, max_request_tensor_bytes_,
+      max_calls_per_connection_, handlers_inline_);
   std::unique_ptr<rdma::RdmaServerTransport> rdma;
   std::string no_rdma = "RDMA disabled in the server's configuration";
   if (rdma_) {
     rdma::RdmaServerOptions options;
     options.receives = rdma_receives_;
     options.landing_pool_bytes = rdma_landing_pool_bytes_;
+    options.max_connections = max_rdma_connections_;
     options.gpu_rdma_mode = gpu_rdma_mode_;
     auto started =
         rdma::RdmaServerTransport::Start(server->dispatcher_.get(), options);

@@ -167,6 +167,10 @@ class ServerCallState {
   const ServerMethod& method() const { return *method_; }
   TransportKind transport() const { return transport_; }
   std::string peer;
+  // Calls of this call's connection admitted and not yet finished, shared
+  // by the connection's calls (ServerBuilder::SetMaxCallsPerConnection);
+  // null: not counted.
+  std::shared_ptr<std::atomic<uint32_t>> connection_calls;
   uint64_t call_id = 0;
   // Non-zero for calls the client may re-send (every RDMA call, and the
   // re-sends themselves): the dispatcher runs them at most once per

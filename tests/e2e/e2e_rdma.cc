@@ -13,4 +13,50 @@ INSTANTIATE_TEST_SUITE_P(
                                     rdmarpc::TransportKind::kRdma}),
     CaseName);
 
+namespace {
+
+// A server holding SetMaxRdmaConnections connections tells the next client
+// in the handshake: under 'auto' it is served over gRPC with that reason,
+// under 'rdma' its call fails with it.
+TEST(RdmaConnectionLimit, AClientOverTheLimitIsToldWhy) {
+  E2EService service;
+  int port = 0;
+  auto server = rdmarpc::ServerBuilder()
+                    .AddListeningPort("127.0.0.1:0", &port)
+                    .RegisterService(&service)
+                    .SetMaxRdmaConnections(1)
+                    .BuildAndStart();
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string target = "127.0.0.1:" + std::to_string(port);
+  EchoRequest req;
+  EchoResponse resp;
+
+  auto first = E2E::NewStub(rdmarpc::CreateChannel(target));
+  rdmarpc::ClientContext c1;
+  ASSERT_TRUE(first->Echo(&c1, req, &resp).ok());
+  EXPECT_EQ(c1.stats().transport, rdmarpc::TransportKind::kRdma)
+      << c1.stats().transport_reason;
+
+  auto second = E2E::NewStub(rdmarpc::CreateChannel(target));
+  rdmarpc::ClientContext c2;
+  ASSERT_TRUE(second->Echo(&c2, req, &resp).ok());
+  EXPECT_EQ(c2.stats().transport, rdmarpc::TransportKind::kGrpc);
+  EXPECT_NE(c2.stats().transport_reason.find(
+                "limit of 1 RDMA connections (ServerBuilder::"
+                "SetMaxRdmaConnections)"),
+            std::string::npos)
+      << c2.stats().transport_reason;
+
+  rdmarpc::ChannelOptions rdma_only;
+  rdma_only.policy = rdmarpc::TransportPolicy::kRdma;
+  auto third = E2E::NewStub(rdmarpc::CreateChannel(target, rdma_only));
+  rdmarpc::ClientContext c3;
+  rdmarpc::Status refused = third->Echo(&c3, req, &resp);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+  EXPECT_NE(refused.message().find("SetMaxRdmaConnections"),
+            std::string_view::npos)
+      << refused;
+}
+
+}  // namespace
 }  // namespace rdmarpc_test

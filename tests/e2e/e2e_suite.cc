@@ -545,5 +545,73 @@ TEST_P(E2ETest, PortInUseIsRefusedUnlessReuseIsAskedFor) {
   EXPECT_TRUE(sharing.ok()) << sharing.status();
 }
 
+// A connection with SetMaxCallsPerConnection calls running gets
+// RESOURCE_EXHAUSTED naming the limit for one more; once they end, calls go
+// through again.
+TEST_P(E2ETest, CallsOverTheConnectionLimitFailNamingIt) {
+  E2EService service;
+  int port = 0;
+  auto server = rdmarpc::ServerBuilder()
+                    .AddListeningPort("127.0.0.1:0", &port)
+                    .RegisterService(&service)
+                    .SetNumWorkers(8)
+                    .SetMaxCallsPerConnection(2)
+                    .BuildAndStart();
+  ASSERT_TRUE(server.ok()) << server.status();
+  rdmarpc::ChannelOptions options;
+  options.policy = GetParam().policy;
+  auto stub = E2E::NewStub(
+      rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port), options));
+  EchoRequest req;
+  EchoResponse resp;
+  {
+    ClientContext warm;  // the connection is up before the count starts
+    ASSERT_TRUE(stub->Echo(&warm, req, &resp).ok());
+    EXPECT_EQ(warm.stats().transport, GetParam().expected);
+  }
+
+  ClientContext slow_ctx[2];
+  EchoRequest slow_req;
+  slow_req.set_sleep_ms(60000);
+  EchoResponse slow_resp[2];
+  std::promise<rdmarpc::Status> slow_done[2];
+  for (int i = 0; i < 2; ++i) {
+    stub->Slow(
+        &slow_ctx[i], slow_req, &slow_resp[i],
+        [&slow_done, i](rdmarpc::Status s) { slow_done[i].set_value(s); });
+  }
+  for (int i = 0; i < 1000 && service.slow_started.load() < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(service.slow_started.load(), 2);
+
+  ClientContext over;
+  rdmarpc::Status refused = stub->Echo(&over, req, &resp);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("at most 2 calls at once per connection"),
+            std::string_view::npos)
+      << refused;
+  EXPECT_NE(refused.message().find("SetMaxCallsPerConnection"),
+            std::string_view::npos)
+      << refused;
+  EXPECT_EQ((*server)->handler_stats().over_connection_limit, 1u);
+  EXPECT_EQ(service.echo_calls.load(), 1);  // the warm-up only
+
+  for (auto& ctx : slow_ctx) ctx.TryCancel();
+  for (auto& done : slow_done) {
+    EXPECT_EQ(done.get_future().get().code(), absl::StatusCode::kCancelled);
+  }
+  // The cancelled handlers return within a poll of IsCancelled (2 ms); the
+  // count drops when they do.
+  rdmarpc::Status again;
+  for (int i = 0; i < 500; ++i) {
+    ClientContext ctx;
+    again = stub->Echo(&ctx, req, &resp);
+    if (again.code() != absl::StatusCode::kResourceExhausted) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(again.ok()) << again;
+}
+
 }  // namespace
 }  // namespace rdmarpc_test

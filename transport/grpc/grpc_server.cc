@@ -21,6 +21,7 @@
 #include <optional>
 #include <thread>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "runtime/codec.h"
@@ -64,6 +65,11 @@ class GrpcServerTransport::Service {
     auto it = internal_methods_.find(path);
     return it == internal_methods_.end() ? nullptr : &it->second;
   }
+  // The running-call counter of the TCP connection `peer` (gRPC's peer
+  // string, "ipv4:10.0.0.7:53412", names one connection), shared by its
+  // calls while they hold it.
+  std::shared_ptr<std::atomic<uint32_t>> ConnectionCalls(
+      const std::string& peer);
   // A new call object waits for the next call on `queue`.
   void Arm(grpc::ServerCompletionQueue* queue);
   void Forget();  // a call object is gone
@@ -82,7 +88,28 @@ class GrpcServerTransport::Service {
   std::mutex mu_;
   std::condition_variable gone_;
   uint64_t live_ = 0;  // call objects, armed or serving
+  std::mutex connections_mu_;
+  absl::flat_hash_map<std::string, std::weak_ptr<std::atomic<uint32_t>>>
+      connections_;
+  size_t connections_swept_at_ = 64;  // size that triggers the next sweep
 };
+
+std::shared_ptr<std::atomic<uint32_t>>
+GrpcServerTransport::Service::ConnectionCalls(const std::string& peer) {
+  std::lock_guard<std::mutex> lock(connections_mu_);
+  std::weak_ptr<std::atomic<uint32_t>>& slot = connections_[peer];
+  if (auto counter = slot.lock()) return counter;
+  auto counter = std::make_shared<std::atomic<uint32_t>>(0);
+  slot = counter;
+  // Entries of connections with no call left expire; drop them now and
+  // then, so that the map follows the connections that have calls.
+  if (connections_.size() >= connections_swept_at_) {
+    absl::erase_if(connections_,
+                   [](const auto& entry) { return entry.second.expired(); });
+    connections_swept_at_ = std::max<size_t>(64, 2 * connections_.size());
+  }
+  return counter;
+}
 
 namespace {
 
@@ -174,6 +201,7 @@ class ServerCall {
       if (cancelled_) state_->cancelled.store(true);
     }
     state_->peer = ctx_.peer();
+    state_->connection_calls = service_->ConnectionCalls(state_->peer);
     if (ctx_.deadline() != std::chrono::system_clock::time_point::max()) {
       state_->deadline = ctx_.deadline();
     }

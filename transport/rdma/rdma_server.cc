@@ -57,11 +57,20 @@ std::string RdmaServerTransport::HelloUnavailable(const std::string& reason) {
   return response.SerializeAsString();
 }
 
+std::string RdmaServerTransport::ConnectionLimitReason() const {
+  return absl::StrCat(
+      "the server holds its limit of ", options_.max_connections,
+      " RDMA connections (ServerBuilder::SetMaxRdmaConnections)");
+}
+
 StatusOr<std::string> RdmaServerTransport::Hello(const std::string& request) {
   RDMARPC_ASSIGN_OR_RETURN(HelloRequest hello, ParseHelloRequest(request));
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (shut_down_) return HelloUnavailable("the server is shutting down");
+    if (endpoints_.size() >= options_.max_connections) {
+      return HelloUnavailable(ConnectionLimitReason());
+    }
   }
   std::string not_listening = listener_->not_listening();
   if (!not_listening.empty()) return HelloUnavailable(not_listening);
@@ -106,11 +115,15 @@ void RdmaServerTransport::OnConnectRequest(const CmEvent& event) {
   if (RDMARPC_FAULT("rdma.server.refuse_connect")) return refuse("fault");
   std::optional<uint64_t> client_id = tokens_.Redeem(data->token);
   bool shut_down = false;
+  bool full = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     shut_down = shut_down_;
+    // Tokens handed out while the server had room may outnumber it.
+    full = endpoints_.size() >= options_.max_connections;
   }
   if (shut_down || !client_id) return refuse("no valid token");
+  if (full) return refuse(ConnectionLimitReason());
   if (!CheckReceives(data->receives, data->receive_bytes, "the client").ok()) {
     return refuse("receive sizes out of range");
   }

@@ -54,6 +54,9 @@ struct RdmaServerOptions {
   // sends it over gRPC.
   uint64_t landing_pool_bytes = uint64_t{8} << 30;
   GpuRdmaMode gpu_rdma_mode = GpuRdmaMode::kAuto;
+  // Connections held at once; a client over it is told in the handshake
+  // and uses gRPC (ServerBuilder::SetMaxRdmaConnections).
+  uint32_t max_connections = 256;
 };
 
 class RdmaServerTransport final : public internal::ServerTransport {
@@ -68,6 +71,8 @@ class RdmaServerTransport final : public internal::ServerTransport {
   StatusOr<std::string> Hello(const std::string& request);
   // HelloResponse bytes for a server without RDMA.
   static std::string HelloUnavailable(const std::string& reason);
+  // Why a client over RdmaServerOptions::max_connections gets no RDMA.
+  std::string ConnectionLimitReason() const;
 
   void Shutdown(std::chrono::system_clock::time_point deadline) override;
 

@@ -208,6 +208,7 @@ Status ServerEndpoint::AdmitRequest(const FrameView& frame) {
   r.state =
       std::make_shared<internal::ServerCallState>(method, TransportKind::kRdma);
   r.state->peer = peer_;
+  r.state->connection_calls = calls_running_;
   r.state->call_id = call_id;
   r.state->client_id = client_id_;
   r.state->response_path = weak_from_this();

@@ -139,6 +139,9 @@ class ServerEndpoint final
   const uint64_t inline_threshold_;
   const GpuRdmaMode gpu_mode_;
   const std::string peer_;
+  // This connection's calls between admission and their handler's end.
+  const std::shared_ptr<std::atomic<uint32_t>> calls_running_ =
+      std::make_shared<std::atomic<uint32_t>>(0);
   const uint64_t client_id_;  // from the handshake; 0: calls not logged
   WireLimits limits_;
 

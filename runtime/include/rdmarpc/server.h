@@ -166,6 +166,9 @@ struct HandlerStats {
   // connection that thread serves; a server that counts them should run
   // its handlers on the worker pool.
   uint64_t inline_stalls = 0;
+  // Calls refused with RESOURCE_EXHAUSTED because their connection had
+  // ServerBuilder::SetMaxCallsPerConnection calls running.
+  uint64_t over_connection_limit = 0;
 };
 
 class Server;
@@ -235,9 +238,24 @@ class ServerBuilder {
   // GpuRdmaMode in rdmarpc/memory.h). Default kAuto.
   ServerBuilder& SetGpuRdmaMode(GpuRdmaMode mode);
 
+  // Limits, each with a clear error when reached:
+  //
   // A request whose tensors add up to more than this fails with
-  // RESOURCE_EXHAUSTED before any landing memory is allocated.
+  // RESOURCE_EXHAUSTED before any landing memory is allocated. Default
+  // 64 GiB. (The client's own limit on responses is
+  // ChannelOptions::max_response_tensor_bytes.)
   ServerBuilder& SetMaxRequestTensorBytes(uint64_t bytes);
+  // Calls one connection (one RDMA connection, or one gRPC TCP connection)
+  // may have running at once, counted from arrival until the handler's
+  // outcome; one more fails with RESOURCE_EXHAUSTED naming the limit.
+  // Repeats answered from the call log are not counted. Default 1024.
+  ServerBuilder& SetMaxCallsPerConnection(uint32_t calls);
+  // RDMA connections the server holds at once (each registers 4 MiB of
+  // control buffers, and locked memory may be limited: `rdmarpc doctor`).
+  // A client over the limit is told so in the handshake and carries its
+  // calls over gRPC, with that reason in CallStats; a channel created later
+  // asks again. Default 256.
+  ServerBuilder& SetMaxRdmaConnections(uint32_t connections);
 
   // Whether to take RDMA connections (default: yes, when this host has an
   // RDMA device with an ACTIVE port; clients are told why not otherwise).
@@ -286,6 +304,8 @@ class ServerBuilder {
   std::map<std::pair<std::string, std::string>, Device> field_placement_;
   GpuRdmaMode gpu_rdma_mode_ = GpuRdmaMode::kAuto;
   uint64_t max_request_tensor_bytes_ = uint64_t{64} << 30;
+  uint32_t max_calls_per_connection_ = 1024;
+  uint32_t max_rdma_connections_ = 256;
   bool rdma_ = true;
   uint32_t rdma_receives_ = 64;
   uint64_t rdma_landing_pool_bytes_ = uint64_t{8} << 30;
