@@ -19,10 +19,26 @@
 
 namespace rdmarpc {
 
+namespace {
+
+// OK, or why `options` cannot make a channel.
+Status CheckOptions(const ChannelOptions& options) {
+  if (options.tls && options.tls->cert_chain_pem.empty() !=
+                         options.tls->private_key_pem.empty()) {
+    return absl::InvalidArgumentError(
+        "ChannelOptions::tls: a client certificate needs its private key "
+        "(cert_chain_pem and private_key_pem, both or neither)");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 Channel::Channel(std::string target, ChannelOptions options)
     : target_(std::move(target)),
       target_error_(internal::CheckTarget(target_)),
       options_(options) {
+  if (target_error_.ok()) target_error_ = CheckOptions(options_);
   auto grpc =
       std::make_unique<grpc_transport::GrpcClientTransport>(target_, options_);
   internal::SetupChannel* setup = grpc.get();

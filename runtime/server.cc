@@ -293,6 +293,11 @@ ServerBuilder& ServerBuilder::SetPortReuse(bool reuse) {
   return *this;
 }
 
+ServerBuilder& ServerBuilder::UseTls(TlsServerCredentials tls) {
+  tls_ = std::move(tls);
+  return *this;
+}
+
 ServerBuilder& ServerBuilder::SetHealthService(bool enable) {
   health_service_ = enable;
   return *this;
@@ -517,6 +522,7 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
       auto grpc, grpc_transport::GrpcServerTransport::Start(
                      ports_,
                      {.port_reuse = port_reuse_,
+                      .tls = tls_,
                       .keepalive_permit = keepalive_permit_,
                       .services = {server->service_names_.begin(),
                                    server->service_names_.end()},

@@ -21,6 +21,8 @@ packages=(
   # The soft-RoCE VM (tests/rdma_vm) and the RDMA smoke checks inside it.
   qemu-system-x86 busybox-static cpio kmod iproute2 xz-utils
   rdma-core ibverbs-utils ibverbs-providers rdmacm-utils perftest
+  # tests/e2e/test_pki.h: TLS certificates made at test time.
+  openssl
 )
 
 missing=()

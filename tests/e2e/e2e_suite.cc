@@ -4,9 +4,12 @@
 #include <functional>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <utility>
+#include <vector>
 
 #include "e2e_fixture.h"
+#include "test_pki.h"
 
 namespace rdmarpc_test {
 namespace {
@@ -611,6 +614,138 @@ TEST_P(E2ETest, CallsOverTheConnectionLimitFailNamingIt) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_TRUE(again.ok()) << again;
+}
+
+// One Echo on a new channel to `port` with `tls`; its status and transport.
+std::pair<rdmarpc::Status, rdmarpc::TransportKind> EchoOverTls(
+    int port, rdmarpc::TransportPolicy policy,
+    std::optional<rdmarpc::TlsChannelCredentials> tls) {
+  rdmarpc::ChannelOptions options;
+  options.policy = policy;
+  options.tls = std::move(tls);
+  auto stub = E2E::NewStub(
+      rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port), options));
+  ClientContext ctx;
+  ctx.set_timeout(std::chrono::seconds(20));
+  EchoRequest req;
+  req.set_note("tls");
+  EchoResponse resp;
+  rdmarpc::Status s = stub->Echo(&ctx, req, &resp);
+  return {s, ctx.stats().transport};
+}
+
+// Serves `service` over TLS with the test CA's server certificate; mutual:
+// only to clients with a certificate that CA signed.
+rdmarpc::StatusOr<std::unique_ptr<rdmarpc::Server>> StartTlsServer(
+    E2EService* service, int* port, bool mutual) {
+  const TestPki& pki = GetTestPki();
+  rdmarpc::TlsServerCredentials tls;
+  tls.cert_chain_pem = pki.server_cert;
+  tls.private_key_pem = pki.server_key;
+  if (mutual) {
+    tls.client_ca_pem = pki.ca_cert;
+    tls.require_client_cert = true;
+  }
+  return rdmarpc::ServerBuilder()
+      .AddListeningPort("127.0.0.1:0", port)
+      .RegisterService(service)
+      .UseTls(tls)
+      .BuildAndStart();
+}
+
+rdmarpc::TlsChannelCredentials TrustingTheTestCa(bool with_client_cert) {
+  const TestPki& pki = GetTestPki();
+  rdmarpc::TlsChannelCredentials tls;
+  tls.root_certs_pem = pki.ca_cert;
+  tls.server_name_override = "rdmarpc.test";
+  if (with_client_cert) {
+    tls.cert_chain_pem = pki.client_cert;
+    tls.private_key_pem = pki.client_key;
+  }
+  return tls;
+}
+
+// Mutual TLS: a client with a certificate the server's CA signed is served
+// (over RDMA where the suite expects it); one with no certificate, one
+// signed by another CA, one that does not trust the server, and a
+// plaintext one are all refused, and none of them obtains an RDMA
+// connection, since the token comes only through the TLS port.
+TEST_P(E2ETest, MutualTlsServesOnlyAuthenticatedClients) {
+  const TestPki& pki = GetTestPki();
+  ASSERT_TRUE(pki.error.empty()) << pki.error;
+  E2EService service;
+  int port = 0;
+  auto server = StartTlsServer(&service, &port, /*mutual=*/true);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const rdmarpc::TransportPolicy policy = GetParam().policy;
+
+  auto [served, transport] =
+      EchoOverTls(port, policy, TrustingTheTestCa(/*with_client_cert=*/true));
+  EXPECT_TRUE(served.ok()) << served;
+  EXPECT_EQ(transport, GetParam().expected);
+  const uint64_t accepted = (*server)->rdma_stats().connections_accepted;
+  EXPECT_EQ(accepted,
+            GetParam().expected == rdmarpc::TransportKind::kRdma ? 1u : 0u);
+
+  rdmarpc::TlsChannelCredentials stranger =
+      TrustingTheTestCa(/*with_client_cert=*/false);
+  stranger.cert_chain_pem = pki.stranger_cert;
+  stranger.private_key_pem = pki.stranger_key;
+  rdmarpc::TlsChannelCredentials distrusting = TrustingTheTestCa(true);
+  distrusting.root_certs_pem = pki.stranger_ca_cert;
+  for (const auto& [what, tls] :
+       std::vector<std::pair<std::string,
+                             std::optional<rdmarpc::TlsChannelCredentials>>>{
+           {"no client certificate", TrustingTheTestCa(false)},
+           {"a certificate from another CA", stranger},
+           {"a client that does not trust the server", distrusting},
+           {"plaintext", std::nullopt}}) {
+    auto [refused, unused] = EchoOverTls(port, policy, tls);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable)
+        << what << ": " << refused;
+  }
+  EXPECT_EQ(service.echo_calls.load(), 1);
+  EXPECT_EQ((*server)->rdma_stats().connections_accepted, accepted);
+}
+
+// Server-only TLS: any client that trusts the server's CA is served; a
+// plaintext client is not.
+TEST_P(E2ETest, TlsServerServesClientsThatTrustIt) {
+  const TestPki& pki = GetTestPki();
+  ASSERT_TRUE(pki.error.empty()) << pki.error;
+  E2EService service;
+  int port = 0;
+  auto server = StartTlsServer(&service, &port, /*mutual=*/false);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto [served, transport] =
+      EchoOverTls(port, GetParam().policy, TrustingTheTestCa(false));
+  EXPECT_TRUE(served.ok()) << served;
+  EXPECT_EQ(transport, GetParam().expected);
+  auto [refused, unused] = EchoOverTls(port, GetParam().policy, std::nullopt);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+}
+
+TEST_P(E2ETest, IncompleteTlsSettingsAreRefusedWithTheReason) {
+  E2EService service;
+  rdmarpc::TlsServerCredentials incomplete;
+  incomplete.cert_chain_pem = "x";
+  auto server = rdmarpc::ServerBuilder()
+                    .AddListeningPort("127.0.0.1:0")
+                    .RegisterService(&service)
+                    .UseTls(incomplete)
+                    .BuildAndStart();
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(server.status().message().find("private_key_pem"),
+            std::string_view::npos)
+      << server.status();
+
+  rdmarpc::TlsChannelCredentials half;
+  half.cert_chain_pem = "x";
+  auto [refused, unused] = EchoOverTls(port_, GetParam().policy, half);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(refused.message().find("both or neither"), std::string_view::npos)
+      << refused;
 }
 
 }  // namespace

@@ -441,8 +441,19 @@ GrpcClientTransport::GrpcClientTransport(const std::string& target,
                       static_cast<int>(options.keepalive_timeout.count()));
           args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
         }
-        return grpc::CreateCustomChannel(
-            target, grpc::InsecureChannelCredentials(), args);
+        std::shared_ptr<grpc::ChannelCredentials> credentials =
+            grpc::InsecureChannelCredentials();
+        if (options.tls) {
+          grpc::SslCredentialsOptions ssl;
+          ssl.pem_root_certs = options.tls->root_certs_pem;
+          ssl.pem_cert_chain = options.tls->cert_chain_pem;
+          ssl.pem_private_key = options.tls->private_key_pem;
+          credentials = grpc::SslCredentials(ssl);
+          if (!options.tls->server_name_override.empty()) {
+            args.SetSslTargetNameOverride(options.tls->server_name_override);
+          }
+        }
+        return grpc::CreateCustomChannel(target, credentials, args);
       }()),
       stub_(channel_),
       chunk_bytes_(options.grpc_chunk_bytes),

@@ -548,10 +548,31 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::Start(
   t->service_ =
       std::make_unique<Service>(dispatcher, std::move(internal_methods));
   grpc::ServerBuilder builder;
+  std::shared_ptr<grpc::ServerCredentials> credentials =
+      grpc::InsecureServerCredentials();
+  if (listen.tls) {
+    const TlsServerCredentials& tls = *listen.tls;
+    if (tls.cert_chain_pem.empty() || tls.private_key_pem.empty()) {
+      return absl::InvalidArgumentError(
+          "ServerBuilder::UseTls: cert_chain_pem and private_key_pem are both "
+          "needed (PEM text, not file names)");
+    }
+    if (tls.require_client_cert && tls.client_ca_pem.empty()) {
+      return absl::InvalidArgumentError(
+          "ServerBuilder::UseTls: require_client_cert needs client_ca_pem, "
+          "the CAs whose client certificates to accept");
+    }
+    grpc::SslServerCredentialsOptions ssl(
+        tls.require_client_cert
+            ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+            : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    ssl.pem_root_certs = tls.client_ca_pem;
+    ssl.pem_key_cert_pairs.push_back({tls.private_key_pem, tls.cert_chain_pem});
+    credentials = grpc::SslServerCredentials(ssl);
+  }
   std::vector<int> bound(ports.size(), 0);
   for (size_t i = 0; i < ports.size(); ++i) {
-    builder.AddListeningPort(ports[i].first, grpc::InsecureServerCredentials(),
-                             &bound[i]);
+    builder.AddListeningPort(ports[i].first, credentials, &bound[i]);
   }
   builder.RegisterAsyncGenericService(t->service_->generic());
   t->service_->AddQueue(&builder);

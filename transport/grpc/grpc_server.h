@@ -10,10 +10,12 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "rdmarpc/server.h"
 #include "runtime/transport.h"
 #include "transport/grpc/reflection.h"
 
@@ -33,6 +35,8 @@ class GrpcServerTransport final : public internal::ServerTransport {
   struct ListenOptions {
     // Alongside other listeners on the same port (SO_REUSEPORT).
     bool port_reuse = false;
+    // TLS on the port; unset: plaintext.
+    std::optional<TlsServerCredentials> tls;
     // Keepalive pings allowed this often (0: gRPC's default).
     std::chrono::milliseconds keepalive_permit{0};
     // The services served (full names, "demo.Inference"): the health

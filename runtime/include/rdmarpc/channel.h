@@ -92,7 +92,8 @@ class Channel final : public ChannelInterface {
                           std::function<void(Status)> done,
                           bool done_runs_inline, bool caller_drives = false);
   std::string target_;
-  // OK, or why target_ is not one (every call fails with it).
+  // OK, or why target_ (or the options) cannot be used: every call fails
+  // with it.
   Status target_error_;
   ChannelOptions options_;
   std::atomic<uint64_t> next_call_id_{1};

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -30,8 +31,26 @@ const char* PolicyName(TransportPolicy policy);  // "auto", "rdma", "grpc"
 // Parses "auto", "rdma" or "grpc".
 StatusOr<TransportPolicy> ParsePolicy(std::string_view name);
 
+// TLS on the channel's gRPC connection (ChannelOptions::tls), which also
+// carries the RDMA handshake: with it, only a client the server's TLS
+// accepts gets the one-time token that admits an RDMA connection. PEM text,
+// not file names.
+struct TlsChannelCredentials {
+  // CAs that sign the server's certificate; empty: the system's roots.
+  std::string root_certs_pem;
+  // For a server that asks for client certificates (mutual TLS): this
+  // client's certificate chain and its private key; both or neither.
+  std::string cert_chain_pem;
+  std::string private_key_pem;
+  // The name to check the server's certificate against, when the target's
+  // host is not that name (an IP address, a test certificate).
+  std::string server_name_override;
+};
+
 struct ChannelOptions {
   TransportPolicy policy = TransportPolicy::kAuto;
+  // TLS to the server (its ServerBuilder::UseTls); unset: plaintext.
+  std::optional<TlsChannelCredentials> tls;
   // Out-of-band tensor bytes on the gRPC transport go in chunks of this size.
   size_t grpc_chunk_bytes = size_t{1} << 20;
   // A response whose tensors add up to more than this fails with

@@ -176,6 +176,18 @@ namespace internal {
 class ServerTransport;
 }  // namespace internal
 
+// TLS on the server's gRPC port (ServerBuilder::UseTls). PEM text.
+struct TlsServerCredentials {
+  std::string cert_chain_pem;
+  std::string private_key_pem;
+  // Mutual TLS: CAs that sign the client certificates to accept, and
+  // whether a client must present one. A client the TLS handshake refuses
+  // can neither call nor get an RDMA token (the handshake runs over this
+  // port), so it cannot obtain a queue pair either.
+  std::string client_ca_pem;
+  bool require_client_cert = false;
+};
+
 class ServerBuilder {
  public:
   ServerBuilder();
@@ -194,6 +206,13 @@ class ServerBuilder {
   // a port already in use makes BuildAndStart() fail instead of silently
   // sharing it.
   ServerBuilder& SetPortReuse(bool reuse);
+
+  // Serves the gRPC port (and so the RDMA handshake) over TLS, mutual when
+  // `tls.require_client_cert`. RDMA traffic itself is not encrypted (no
+  // RDMA NIC encrypts by default): a queue pair is only granted to a client
+  // that passed the TLS handshake, and tensor memory is only reachable
+  // through per-call grants on that queue pair.
+  ServerBuilder& UseTls(TlsServerCredentials tls);
 
   // Lets clients send keepalive pings (ChannelOptions::keepalive_time) as
   // often as every `min_interval`, with or without calls in flight. By
@@ -294,6 +313,7 @@ class ServerBuilder {
  private:
   std::vector<std::pair<std::string, int*>> ports_;
   bool port_reuse_ = false;
+  std::optional<TlsServerCredentials> tls_;
   std::chrono::milliseconds keepalive_permit_{0};
   bool health_service_ = true;
   bool reflection_ = false;
