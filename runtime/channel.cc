@@ -100,6 +100,28 @@ TransportKind Channel::StartCall(std::string_view method, ClientContext* ctx,
     done(absl::CancelledError("call cancelled before start"));
     return TransportKind::kNone;
   }
+  if (!options_.interceptors.empty()) {
+    Status refused;
+    size_t admitted = 0;
+    for (const auto& interceptor : options_.interceptors) {
+      refused = interceptor->BeforeCall(method, ctx, request);
+      if (!refused.ok()) break;
+      ++admitted;
+    }
+    // The channel outlives its calls, so the interceptors do too.
+    done = [interceptors = &options_.interceptors, admitted,
+            method = std::string(method), ctx,
+            done = std::move(done)](Status status) {
+      for (size_t i = admitted; i-- > 0;) {
+        (*interceptors)[i]->AfterCall(method, ctx, &status);
+      }
+      done(std::move(status));
+    };
+    if (!refused.ok()) {
+      done(std::move(refused));
+      return TransportKind::kNone;
+    }
+  }
   internal::ClientCall call;
   call.method = std::string(method);
   call.ctx = ctx;

@@ -87,8 +87,10 @@ class ServerDispatcher final : public Dispatcher {
  public:
   ServerDispatcher(absl::flat_hash_map<std::string, ServerMethod> methods,
                    int workers, uint64_t max_request_tensor_bytes,
-                   uint32_t max_calls_per_connection, bool run_inline)
+                   uint32_t max_calls_per_connection, bool run_inline,
+                   std::vector<std::shared_ptr<ServerInterceptor>> interceptors)
       : methods_(std::move(methods)),
+        interceptors_(std::move(interceptors)),
         max_request_tensor_bytes_(max_request_tensor_bytes),
         max_calls_per_connection_(max_calls_per_connection),
         run_inline_(run_inline),
@@ -192,14 +194,24 @@ class ServerDispatcher final : public Dispatcher {
       const internal::SpinClock& clock = internal::SpinClock::Get();
       const bool on_receiver = run_inline_ && !state->method().blocking;
       const uint64_t began = on_receiver ? clock.Now() : 0;
-      try {
-        status = m.handler(&ctx, *request, response.get());
-      } catch (const std::exception& e) {
-        status = absl::InternalError(
-            absl::StrCat("handler of ", m.path, " threw: ", e.what()));
-      } catch (...) {
-        status = absl::InternalError(
-            absl::StrCat("handler of ", m.path, " threw a non-exception"));
+      size_t admitted = 0;  // interceptors whose BeforeHandler said OK
+      for (; admitted < interceptors_.size(); ++admitted) {
+        status = interceptors_[admitted]->BeforeHandler(&ctx, *request);
+        if (!status.ok()) break;
+      }
+      if (status.ok()) {
+        try {
+          status = m.handler(&ctx, *request, response.get());
+        } catch (const std::exception& e) {
+          status = absl::InternalError(
+              absl::StrCat("handler of ", m.path, " threw: ", e.what()));
+        } catch (...) {
+          status = absl::InternalError(
+              absl::StrCat("handler of ", m.path, " threw a non-exception"));
+        }
+      }
+      for (size_t i = admitted; i-- > 0;) {
+        interceptors_[i]->AfterHandler(&ctx, &status);
       }
       if (on_receiver &&
           clock.Now() - began >= clock.Ticks(kCompletionThreadStall)) {
@@ -260,6 +272,7 @@ class ServerDispatcher final : public Dispatcher {
   }
 
   absl::flat_hash_map<std::string, ServerMethod> methods_;
+  const std::vector<std::shared_ptr<ServerInterceptor>> interceptors_;
   uint64_t max_request_tensor_bytes_;
   uint32_t max_calls_per_connection_;
   bool run_inline_;
@@ -311,6 +324,12 @@ ServerBuilder& ServerBuilder::EnableReflection(bool enable) {
 ServerBuilder& ServerBuilder::SetKeepalivePermit(
     std::chrono::milliseconds min_interval) {
   keepalive_permit_ = min_interval;
+  return *this;
+}
+
+ServerBuilder& ServerBuilder::AddInterceptor(
+    std::shared_ptr<ServerInterceptor> interceptor) {
+  interceptors_.push_back(std::move(interceptor));
   return *this;
 }
 
@@ -480,7 +499,7 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
   }
   server->dispatcher_ = std::make_unique<internal::ServerDispatcher>(
       std::move(methods), workers, max_request_tensor_bytes_,
-      max_calls_per_connection_, handlers_inline_);
+      max_calls_per_connection_, handlers_inline_, interceptors_);
   std::unique_ptr<rdma::RdmaServerTransport> rdma;
   std::string no_rdma = "RDMA disabled in the server's configuration";
   if (rdma_) {

@@ -748,5 +748,165 @@ TEST_P(E2ETest, IncompleteTlsSettingsAreRefusedWithTheReason) {
       << refused;
 }
 
+// Adds "x-echo: <tag>" (the service appends it to the note), or refuses;
+// records what it saw.
+class TaggingInterceptor final : public rdmarpc::ClientInterceptor {
+ public:
+  explicit TaggingInterceptor(std::string tag, bool refuse = false)
+      : tag_(std::move(tag)), refuse_(refuse) {}
+  rdmarpc::Status BeforeCall(std::string_view method, ClientContext* ctx,
+                             const google::protobuf::Message&) override {
+    ++before;
+    if (refuse_) return absl::PermissionDeniedError("refused by " + tag_);
+    ctx->AddMetadata("x-echo", tag_);
+    return absl::OkStatus();
+  }
+  void AfterCall(std::string_view method, ClientContext* ctx,
+                 rdmarpc::Status* status) override {
+    ++after;
+    last_code = status->code();
+    last_transport = ctx->stats().transport;
+    last_method = std::string(method);
+  }
+  std::atomic<int> before{0}, after{0};
+  std::atomic<absl::StatusCode> last_code{absl::StatusCode::kUnknown};
+  std::atomic<rdmarpc::TransportKind> last_transport{
+      rdmarpc::TransportKind::kNone};
+  std::string last_method;  // read after the call completed
+
+ private:
+  std::string tag_;
+  bool refuse_;
+};
+
+// Client interceptors run in order before the call and in reverse after
+// it, once per call in every form; one that refuses stops the call before
+// it is sent, and only those before it see the outcome.
+TEST_P(E2ETest, ClientInterceptorsWrapEveryCallOnce) {
+  auto one = std::make_shared<TaggingInterceptor>("one");
+  auto two = std::make_shared<TaggingInterceptor>("two");
+  rdmarpc::ChannelOptions options;
+  options.policy = GetParam().policy;
+  options.interceptors = {one, two};
+  auto stub = E2E::NewStub(
+      rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port_), options));
+  EchoRequest req;
+  req.set_note("n");
+  EchoResponse resp;
+  ClientContext blocking;
+  ASSERT_TRUE(stub->Echo(&blocking, req, &resp).ok());
+  EXPECT_EQ(resp.note(), "n|one|two");
+  EXPECT_EQ(one->after.load(), 1);
+  EXPECT_EQ(two->after.load(), 1);
+  EXPECT_EQ(one->last_transport.load(), GetParam().expected);
+  EXPECT_EQ(one->last_method, "/rdmarpc_test.E2E/Echo");
+
+  ClientContext async;
+  std::promise<rdmarpc::Status> done;
+  stub->Echo(&async, req, &resp,
+             [&done](rdmarpc::Status s) { done.set_value(s); });
+  EXPECT_TRUE(done.get_future().get().ok());
+  EXPECT_EQ(one->after.load(), 2);
+  EXPECT_EQ(two->after.load(), 2);
+
+  auto first = std::make_shared<TaggingInterceptor>("first");
+  auto refuser = std::make_shared<TaggingInterceptor>("gate", true);
+  auto never = std::make_shared<TaggingInterceptor>("never");
+  options.interceptors = {first, refuser, never};
+  auto gated = E2E::NewStub(
+      rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port_), options));
+  const int served = service_.echo_calls.load();
+  ClientContext refused_ctx;
+  rdmarpc::Status refused = gated->Echo(&refused_ctx, req, &resp);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kPermissionDenied) << refused;
+  EXPECT_EQ(refused.message(), "refused by gate");
+  EXPECT_EQ(first->after.load(), 1);
+  EXPECT_EQ(first->last_code.load(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(refuser->after.load(), 0);
+  EXPECT_EQ(never->before.load(), 0);
+  EXPECT_EQ(service_.echo_calls.load(), served);
+}
+
+// Lets a call through only with "authorization: letmein".
+class TokenGate final : public rdmarpc::ServerInterceptor {
+ public:
+  rdmarpc::Status BeforeHandler(rdmarpc::ServerContext* ctx,
+                                const google::protobuf::Message&) override {
+    ++before;
+    auto token = ctx->client_metadata().find("authorization");
+    if (token == ctx->client_metadata().end() || token->second != "letmein") {
+      return absl::UnauthenticatedError("no valid token for " + ctx->method());
+    }
+    return absl::OkStatus();
+  }
+  void AfterHandler(rdmarpc::ServerContext*, rdmarpc::Status*) override {
+    ++after;
+  }
+  std::atomic<int> before{0}, after{0};
+};
+
+// Sees every outcome and rewrites the message of failures.
+class Auditor final : public rdmarpc::ServerInterceptor {
+ public:
+  void AfterHandler(rdmarpc::ServerContext* ctx,
+                    rdmarpc::Status* status) override {
+    ++after;
+    if (!status->ok()) {
+      *status = rdmarpc::Status(status->code(),
+                                "audited: " + std::string(status->message()));
+    }
+  }
+  std::atomic<int> after{0};
+};
+
+// Server interceptors gate the handler, see its outcome and may rewrite it,
+// over every transport.
+TEST_P(E2ETest, ServerInterceptorsGateHandlersAndSeeOutcomes) {
+  auto auditor = std::make_shared<Auditor>();
+  auto gate = std::make_shared<TokenGate>();
+  E2EService service;
+  int port = 0;
+  auto server = rdmarpc::ServerBuilder()
+                    .AddListeningPort("127.0.0.1:0", &port)
+                    .RegisterService(&service)
+                    .AddInterceptor(auditor)
+                    .AddInterceptor(gate)
+                    .BuildAndStart();
+  ASSERT_TRUE(server.ok()) << server.status();
+  rdmarpc::ChannelOptions options;
+  options.policy = GetParam().policy;
+  auto stub = E2E::NewStub(
+      rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port), options));
+  EchoRequest req;
+  EchoResponse resp;
+
+  ClientContext anonymous;
+  rdmarpc::Status refused = stub->Echo(&anonymous, req, &resp);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnauthenticated) << refused;
+  EXPECT_EQ(refused.message(),
+            "audited: no valid token for /rdmarpc_test.E2E/Echo");
+  EXPECT_EQ(service.echo_calls.load(), 0);
+  EXPECT_EQ(gate->after.load(), 0);  // it refused: no AfterHandler
+  EXPECT_EQ(auditor->after.load(), 1);
+
+  ClientContext with_token;
+  with_token.AddMetadata("authorization", "letmein");
+  ASSERT_TRUE(stub->Echo(&with_token, req, &resp).ok());
+  EXPECT_EQ(with_token.stats().transport, GetParam().expected);
+  EXPECT_EQ(service.echo_calls.load(), 1);
+  EXPECT_EQ(gate->after.load(), 1);
+
+  ClientContext failing;
+  failing.AddMetadata("authorization", "letmein");
+  EchoRequest fail_req;
+  fail_req.set_fail_code(static_cast<int>(absl::StatusCode::kNotFound));
+  fail_req.set_fail_message("gone");
+  rdmarpc::Status failed = stub->Fail(&failing, fail_req, &resp);
+  EXPECT_EQ(failed.code(), absl::StatusCode::kNotFound) << failed;
+  EXPECT_EQ(failed.message(), "audited: gone");
+  EXPECT_EQ(auditor->after.load(), 3);
+  EXPECT_EQ(gate->before.load(), 3);
+}
+
 }  // namespace
 }  // namespace rdmarpc_test

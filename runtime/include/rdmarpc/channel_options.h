@@ -13,10 +13,13 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
+#include "rdmarpc/interceptor.h"
 #include "rdmarpc/memory.h"
 #include "rdmarpc/status.h"
 
@@ -51,6 +54,9 @@ struct ChannelOptions {
   TransportPolicy policy = TransportPolicy::kAuto;
   // TLS to the server (its ServerBuilder::UseTls); unset: plaintext.
   std::optional<TlsChannelCredentials> tls;
+  // Run around every call of the channel (rdmarpc/interceptor.h), in this
+  // order.
+  std::vector<std::shared_ptr<ClientInterceptor>> interceptors;
   // Out-of-band tensor bytes on the gRPC transport go in chunks of this size.
   size_t grpc_chunk_bytes = size_t{1} << 20;
   // A response whose tensors add up to more than this fails with

@@ -7,6 +7,7 @@
 
 #include "rdmarpc/channel.h"
 #include "rdmarpc/client_context.h"
+#include "rdmarpc/interceptor.h"
 #include "rdmarpc/memory.h"
 #include "rdmarpc/server.h"
 #include "rdmarpc/status.h"

@@ -41,6 +41,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "google/protobuf/message.h"
 #include "rdmarpc/client_context.h"
+#include "rdmarpc/interceptor.h"
 #include "rdmarpc/memory.h"
 #include "rdmarpc/status.h"
 #include "rdmarpc/tensor.h"
@@ -232,6 +233,10 @@ class ServerBuilder {
   // gRPC: it shows every message type linked into the program.
   ServerBuilder& EnableReflection(bool enable);
 
+  // Runs `interceptor` around every handler (rdmarpc/interceptor.h), after
+  // those added before it.
+  ServerBuilder& AddInterceptor(std::shared_ptr<ServerInterceptor> interceptor);
+
   // Registers `service`; it must outlive the server. The same method path
   // registered twice makes BuildAndStart() fail.
   ServerBuilder& RegisterService(Service* service);
@@ -318,6 +323,7 @@ class ServerBuilder {
   bool health_service_ = true;
   bool reflection_ = false;
   std::vector<Service*> services_;
+  std::vector<std::shared_ptr<ServerInterceptor>> interceptors_;
   int workers_ = 0;
   std::optional<Device> placement_;
   std::map<std::string, Device> method_placement_;
