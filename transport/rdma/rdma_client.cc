@@ -115,6 +115,12 @@ void RdmaClientTransport::Monitor() {
   uint64_t ping_sequence = 0;
   // When a call was last seen outstanding (or woke the monitor).
   SteadyClock::time_point active_at = internal::CoarseSteadyNow();
+  // When the monitor last woke far later than it asked to: this process,
+  // or the whole (virtual) machine, did not run meanwhile, so the server
+  // may not have either. No call counts as still before then.
+  SteadyClock::time_point overslept_at;
+  const auto oversleep = std::max<std::chrono::milliseconds>(
+      std::chrono::milliseconds(50), peer_timeout_ / 6);
   while (!stop_.load()) {
     std::chrono::milliseconds wait = endpoint_->ExpireDeadlines();
     if (RDMARPC_FAULT("rdma.client.qp_error")) {
@@ -133,10 +139,10 @@ void RdmaClientTransport::Monitor() {
     bool counted = false;
     if (peer_timeout_.count() > 0) {
       const auto now = internal::CoarseSteadyNow();
-      ClientEndpoint::ProgressWatch watch =
-          endpoint_->WatchProgress(now, peer_timeout_,
-                                   std::max(Engine::Get().NotStillBefore(now),
-                                            conn_->NotStillBefore(now)));
+      ClientEndpoint::ProgressWatch watch = endpoint_->WatchProgress(
+          now, peer_timeout_,
+          std::max({Engine::Get().NotStillBefore(now),
+                    conn_->NotStillBefore(now), overslept_at}));
       outstanding = watch.outstanding;
       counted = true;
       const SteadyClock::time_point heard = conn_->last_heard();
@@ -199,8 +205,13 @@ void RdmaClientTransport::Monitor() {
     // CM reports the connection gone: an idle channel costs no wake-ups.
     pollfd fds[2] = {{conn_->cm_events()->fd, POLLIN, 0},
                      {wake_fd_.get(), POLLIN, 0}};
+    const SteadyClock::time_point wake_by = internal::CoarseSteadyNow() + wait;
     int ready = poll(fds, 2, resting ? -1 : static_cast<int>(wait.count()));
     watch_wakeups_.fetch_add(1, std::memory_order_relaxed);
+    if (!resting) {
+      const SteadyClock::time_point woke = internal::CoarseSteadyNow();
+      if (woke - wake_by >= oversleep) overslept_at = woke;
+    }
     monitor_resting_.store(false);
     if (ready > 0 && (fds[1].revents & POLLIN) != 0) {
       uint64_t drained = 0;
