@@ -7,7 +7,9 @@
 #ifndef RDMARPC_RUNTIME_ACCESS_H_
 #define RDMARPC_RUNTIME_ACCESS_H_
 
+#include <map>
 #include <memory>
+#include <string>
 #include <utility>
 
 #include "rdmarpc/client_context.h"
@@ -25,6 +27,14 @@ class ClientContextAccess {
     return ctx->AttachCanceller(std::move(canceller));
   }
   static void DetachCanceller(ClientContext* ctx) { ctx->DetachCanceller(); }
+  // What the server sent with the response; replaces what an earlier
+  // transport's attempt at the call left.
+  static void SetServerMetadata(
+      ClientContext* ctx, std::multimap<std::string, std::string> initial,
+      std::multimap<std::string, std::string> trailing) {
+    ctx->server_initial_metadata_ = std::move(initial);
+    ctx->server_trailing_metadata_ = std::move(trailing);
+  }
   // Marks the context used; false if it was used before.
   static bool MarkStarted(ClientContext* ctx) {
     return !ctx->started_.exchange(true);

@@ -40,8 +40,11 @@ Status ShuttingDown(uint64_t call_id) {
 }  // namespace
 
 void AnswerWithCopy(const Status& status, const Message* response,
-                    const CallTensors& source, ServerCallState* target,
+                    const ServerCallState& source, ServerCallState* target,
                     const Dispatcher::Completion& done) {
+  // The repeat's answer is the first run's, metadata included.
+  target->initial_metadata = source.initial_metadata;
+  target->trailing_metadata = source.trailing_metadata;
   if (!status.ok() || response == nullptr) return done(status, nullptr);
   std::unique_ptr<Message> copy(response->New());
   copy->CopyFrom(*response);
@@ -54,7 +57,8 @@ void AnswerWithCopy(const Status& status, const Message* response,
   if (!walked.ok()) return done(walked, nullptr);
   target->tensors.Clear();
   for (size_t i = 0; i < from.size() && i < to.size(); ++i) {
-    if (const TensorBuffer* b = CallTensorsAccess::Find(source, *from[i])) {
+    if (const TensorBuffer* b =
+            CallTensorsAccess::Find(source.tensors, *from[i])) {
       CallTensorsAccess::Bind(&target->tensors, *to[i], *b);
     }
   }
@@ -189,8 +193,7 @@ bool CallLog::Admit(const std::shared_ptr<ServerCallState>& state,
   lock.unlock();
   Dispatcher::Completion answer = AnswerAside(std::move(done));
   if (source) {
-    AnswerWithCopy(status, response.get(), source->tensors, state.get(),
-                   answer);
+    AnswerWithCopy(status, response.get(), *source, state.get(), answer);
   } else {
     answer(status, nullptr);
   }
@@ -211,7 +214,7 @@ void CallLog::Finished(const ServerCallState& state, const Status& status,
     stats_.repeats_answered += waiters.size();
   }
   for (Waiter& w : waiters) {
-    AnswerWithCopy(status, response, state.tensors, w.state.get(), w.done);
+    AnswerWithCopy(status, response, state, w.state.get(), w.done);
   }
 }
 
@@ -251,7 +254,7 @@ void CallLog::Undelivered(std::shared_ptr<ServerCallState> state, Status status,
     stats_.repeats_answered += waiters.size();
   }
   for (Waiter& w : waiters) {
-    AnswerWithCopy(status, kept.get(), state->tensors, w.state.get(), w.done);
+    AnswerWithCopy(status, kept.get(), *state, w.state.get(), w.done);
   }
 }
 

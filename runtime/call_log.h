@@ -170,10 +170,11 @@ class CallLog {
 };
 
 // Runs `done` with a copy of `response` whose tensors are bound in
-// `target->tensors` to the buffers `source` binds for the original.
+// `target->tensors` to the buffers `source` binds for the original, and
+// `source`'s response metadata copied to `target`.
 void AnswerWithCopy(const Status& status,
                     const google::protobuf::Message* response,
-                    const CallTensors& source, ServerCallState* target,
+                    const ServerCallState& source, ServerCallState* target,
                     const Dispatcher::Completion& done);
 
 }  // namespace rdmarpc::internal

@@ -10,6 +10,7 @@
 #include "runtime/access.h"
 #include "runtime/address.h"
 #include "runtime/completion.h"
+#include "runtime/metadata.h"
 #include "runtime/random.h"
 #include "runtime/spin.h"
 #include "runtime/transport.h"
@@ -119,6 +120,13 @@ TransportKind Channel::StartCall(std::string_view method, ClientContext* ctx,
     };
     if (!refused.ok()) {
       done(std::move(refused));
+      return TransportKind::kNone;
+    }
+  }
+  if (!ctx->metadata().empty()) {
+    Status bad = internal::CheckMetadata(ctx->metadata(), "request metadata");
+    if (!bad.ok()) {
+      done(std::move(bad));
       return TransportKind::kNone;
     }
   }

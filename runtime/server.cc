@@ -14,6 +14,7 @@
 #include "runtime/address.h"
 #include "runtime/call_log.h"
 #include "runtime/completion.h"
+#include "runtime/metadata.h"
 #include "runtime/random.h"
 #include "runtime/spin.h"
 #include "runtime/thread_pool.h"
@@ -43,6 +44,27 @@ bool ServerContext::IsCancelled() const {
 const std::multimap<std::string, std::string>& ServerContext::client_metadata()
     const {
   return state_->client_metadata;
+}
+Status ServerContext::AddInitialMetadata(std::string key, std::string value) {
+  return AddResponseMetadata(&state_->initial_metadata, std::move(key),
+                             std::move(value));
+}
+Status ServerContext::AddTrailingMetadata(std::string key, std::string value) {
+  return AddResponseMetadata(&state_->trailing_metadata, std::move(key),
+                             std::move(value));
+}
+Status ServerContext::AddResponseMetadata(
+    std::multimap<std::string, std::string>* to, std::string key,
+    std::string value) {
+  RDMARPC_RETURN_IF_ERROR(internal::CheckMetadataEntry(key, value));
+  RDMARPC_RETURN_IF_ERROR(internal::CheckMetadataSize(
+      state_->initial_metadata.size() + state_->trailing_metadata.size() + 1,
+      internal::MetadataBytes(state_->initial_metadata) +
+          internal::MetadataBytes(state_->trailing_metadata) + key.size() +
+          value.size(),
+      "response metadata"));
+  to->emplace(std::move(key), std::move(value));
+  return absl::OkStatus();
 }
 CallTensors& ServerContext::tensors() { return state_->tensors; }
 

@@ -191,6 +191,10 @@ class ServerCallState {
   std::weak_ptr<ResponsePath> response_path;
   std::optional<std::chrono::system_clock::time_point> deadline;
   std::multimap<std::string, std::string> client_metadata;
+  // Set by the handler (ServerContext::AddInitialMetadata, ...); the
+  // transport sends them with the outcome once the handler returned.
+  std::multimap<std::string, std::string> initial_metadata;
+  std::multimap<std::string, std::string> trailing_metadata;
   CallTensors tensors;
   void* cuda_stream = nullptr;  // ServerContext::set_cuda_stream
   std::atomic<bool> cancelled{false};

@@ -45,6 +45,12 @@ class ScaleService final : public hello::TensorService::Service {
       RDMARPC_RETURN_IF_ERROR(rdmarpc::CopyBytes(
           out.data(), device, host.data(), rdmarpc::Device::Host(), in.size()));
     }
+    // Metadata for the client, as gRPC sends it: initial ahead of the
+    // response, trailing after it.
+    RDMARPC_RETURN_IF_ERROR(
+        ctx->AddInitialMetadata("x-input-device", device.ToString()));
+    RDMARPC_RETURN_IF_ERROR(ctx->AddTrailingMetadata(
+        "x-served-over", rdmarpc::TransportName(ctx->transport())));
     resp->set_greeting("hello, " + req.name() + " (served over " +
                        rdmarpc::TransportName(ctx->transport()) +
                        ", input landed in " + device.ToString() + " memory)");

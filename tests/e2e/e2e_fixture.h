@@ -41,6 +41,28 @@ inline std::string CaseName(
   return info.param.name;
 }
 
+// Sends back the response metadata the client asks for: each value of
+// "x-send-initial" or "x-send-trailing" (or their "-bin" forms, for binary
+// values) is "key=value". Returns, for the note, what adding them said
+// ("|initial x: INVALID_ARGUMENT ..." for each refusal).
+inline std::string SendRequestedMetadata(rdmarpc::ServerContext* ctx) {
+  std::string refusals;
+  for (const auto& [k, v] : ctx->client_metadata()) {
+    const bool initial = k.starts_with("x-send-initial");
+    if (!initial && !k.starts_with("x-send-trailing")) continue;
+    const size_t eq = v.find('=');
+    std::string key = v.substr(0, eq);
+    std::string value = eq == std::string::npos ? "" : v.substr(eq + 1);
+    rdmarpc::Status s = initial ? ctx->AddInitialMetadata(key, value)
+                                : ctx->AddTrailingMetadata(key, value);
+    if (!s.ok()) {
+      refusals += "|" + std::string(initial ? "initial " : "trailing ") + key +
+                  ": " + s.ToString();
+    }
+  }
+  return refusals;
+}
+
 class E2EService final : public E2E::Service {
  public:
   rdmarpc::Status Echo(rdmarpc::ServerContext* ctx, const EchoRequest& req,
@@ -50,6 +72,7 @@ class E2EService final : public E2E::Service {
     for (const auto& [k, v] : ctx->client_metadata()) {
       if (k == "x-echo") note += "|" + v;
     }
+    note += SendRequestedMetadata(ctx);
     resp->set_note(note);
     if (!req.has_tensor()) return absl::OkStatus();
     RDMARPC_ASSIGN_OR_RETURN(rdmarpc::TensorView in,
@@ -57,8 +80,9 @@ class E2EService final : public E2E::Service {
     return ctx->tensors().Set(resp->mutable_tensor(), in);
   }
 
-  rdmarpc::Status Fail(rdmarpc::ServerContext*, const EchoRequest& req,
+  rdmarpc::Status Fail(rdmarpc::ServerContext* ctx, const EchoRequest& req,
                        EchoResponse*) override {
+    SendRequestedMetadata(ctx);
     return rdmarpc::Status(static_cast<absl::StatusCode>(req.fail_code()),
                            req.fail_message());
   }

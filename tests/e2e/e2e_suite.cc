@@ -3,8 +3,10 @@
 #include <condition_variable>
 #include <functional>
 #include <future>
+#include <map>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -451,6 +453,84 @@ TEST_P(E2ETest, MetadataReachesHandler) {
   EchoResponse resp;
   ASSERT_TRUE(stub_->Echo(&ctx, req, &resp).ok());
   EXPECT_EQ(resp.note(), "n|from-client");
+}
+
+TEST_P(E2ETest, ServerMetadataReachesTheClient) {
+  ClientContext ctx;
+  ctx.AddMetadata("x-send-initial", "x-served-by=replica-3");
+  ctx.AddMetadata("x-send-trailing", "x-cost=17");
+  ctx.AddMetadata("x-send-trailing", "x-cost=18");
+  const std::string binary("\0\x01\xfe\n=", 5);
+  ctx.AddMetadata("x-send-trailing-bin", "x-digest-bin=" + binary);
+  EchoRequest req;
+  req.set_note("n");
+  EchoResponse resp;
+  rdmarpc::Status s = stub_->Echo(&ctx, req, &resp);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(resp.note(), "n");  // no refusal
+  EXPECT_EQ(ctx.stats().transport, GetParam().expected);
+  using Map = std::multimap<std::string, std::string>;
+  EXPECT_EQ(ctx.GetServerInitialMetadata(),
+            (Map{{"x-served-by", "replica-3"}}));
+  EXPECT_EQ(
+      ctx.GetServerTrailingMetadata(),
+      (Map{{"x-cost", "17"}, {"x-cost", "18"}, {"x-digest-bin", binary}}));
+}
+
+TEST_P(E2ETest, AnErrorCarriesTheHandlersMetadata) {
+  ClientContext ctx;
+  ctx.AddMetadata("x-send-trailing", "x-retry-after-ms=250");
+  EchoRequest req;
+  req.set_fail_code(static_cast<int>(absl::StatusCode::kUnavailable));
+  req.set_fail_message("overloaded");
+  EchoResponse resp;
+  rdmarpc::Status s = stub_->Fail(&ctx, req, &resp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_EQ(
+      ctx.GetServerTrailingMetadata(),
+      (std::multimap<std::string, std::string>{{"x-retry-after-ms", "250"}}));
+  EXPECT_TRUE(ctx.GetServerInitialMetadata().empty());
+}
+
+TEST_P(E2ETest, MetadataTheRulesRefuseIsNamed) {
+  // On the client: the call fails before it is sent, naming the entry.
+  struct Bad {
+    std::string key, value;
+    absl::StatusCode code;
+    std::string says;
+  };
+  const std::vector<Bad> bad = {
+      {"X-Upper", "v", absl::StatusCode::kInvalidArgument, "X-Upper"},
+      {"grpc-timeout", "1S", absl::StatusCode::kInvalidArgument, "reserved"},
+      {"x-text", "line\nbreak", absl::StatusCode::kInvalidArgument, "-bin"},
+      {"x-big", std::string(17 << 10, 'a'),
+       absl::StatusCode::kResourceExhausted, "16384"},
+  };
+  for (const Bad& b : bad) {
+    ClientContext ctx;
+    ctx.AddMetadata(b.key, b.value);
+    EchoRequest req;
+    EchoResponse resp;
+    rdmarpc::Status s = stub_->Echo(&ctx, req, &resp);
+    EXPECT_EQ(s.code(), b.code) << b.key << ": " << s;
+    EXPECT_NE(s.message().find(b.says), std::string_view::npos) << s;
+  }
+  EXPECT_EQ(service_.echo_calls.load(), 0);
+  // On the server: the handler is told, and the entry is not sent.
+  ClientContext ctx;
+  ctx.AddMetadata("x-send-trailing", "Bad Key=v");
+  ctx.AddMetadata("x-send-initial", "rdmarpc-mine=v");
+  EchoRequest req;
+  EchoResponse resp;
+  ASSERT_TRUE(stub_->Echo(&ctx, req, &resp).ok());
+  EXPECT_NE(resp.note().find("trailing Bad Key: INVALID_ARGUMENT"),
+            std::string::npos)
+      << resp.note();
+  EXPECT_NE(resp.note().find("initial rdmarpc-mine: INVALID_ARGUMENT"),
+            std::string::npos)
+      << resp.note();
+  EXPECT_TRUE(ctx.GetServerTrailingMetadata().empty());
+  EXPECT_TRUE(ctx.GetServerInitialMetadata().empty());
 }
 
 TEST_P(E2ETest, BadTensorDescriptionIsRejectedBeforeSending) {

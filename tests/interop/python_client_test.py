@@ -147,13 +147,26 @@ def run_checks(grpc, tensor_pb2, hello_pb2, port):
 
         # 1. A small tensor, every byte compared.
         values = [1.0, -2.5, 3.25, 1e6]
-        resp = scale(scale_request(values, 2.0, "python"), timeout=CALL_TIMEOUT_S)
+        resp, call = scale.with_call(scale_request(values, 2.0, "python"),
+                                     timeout=CALL_TIMEOUT_S)
         check_scaled(resp, values, 2.0, "4-element f32 * 2")
         check("python" in resp.greeting,
               "greeting %r does not name the caller" % resp.greeting)
         print("ok: Scale of a 4-element f32 tensor by 2 -> dtype F32, shape [4], "
               "values %s; greeting %r" % (list(f32_values(resp.output.data)),
                                          resp.greeting))
+        # The handler's metadata, as gRPC carries it.
+        initial = dict(call.initial_metadata())
+        trailing = dict(call.trailing_metadata())
+        device = initial.get("x-input-device", "")
+        check(device == "host" or device.startswith("cuda:"),
+              "initial metadata %r lacks x-input-device (host or cuda:N)"
+              % initial)
+        check(trailing.get("x-served-over") == "grpc",
+              "trailing metadata %r lacks x-served-over: grpc" % trailing)
+        print("ok: initial metadata x-input-device=%s, trailing metadata "
+              "x-served-over=%s" % (initial["x-input-device"],
+                                    trailing["x-served-over"]))
 
         # 2. A 5 MiB tensor: request and response both over gRPC's 4 MB
         # default message size.

@@ -93,13 +93,17 @@ TEST_F(CallLogTest, RepeatOfARunningCallWaitsForItsOutcome) {
   auto first = Call(1);
   Outcome unused, repeat;
   ASSERT_TRUE(Admit(log, first, &unused));
-  EXPECT_FALSE(Admit(log, Call(1, /*resent=*/true), &repeat));
+  auto again = Call(1, /*resent=*/true);
+  EXPECT_FALSE(Admit(log, again, &repeat));
   EXPECT_EQ(repeat.runs, 0);
   auto response = Response("ran");
+  first->initial_metadata.emplace("x-first", "1");
   log.Finished(*first, absl::OkStatus(), response.get());
   EXPECT_EQ(repeat.runs, 1);
   ASSERT_TRUE(repeat.status && repeat.status->ok()) << *repeat.status;
   EXPECT_EQ(LabelOf(repeat), "ran");
+  // The repeat answers with the first run's metadata too.
+  EXPECT_EQ(again->initial_metadata, first->initial_metadata);
   log.Delivered(*first);
   EXPECT_EQ(repeat.runs, 1);
   EXPECT_EQ(unused.runs, 0);
@@ -112,12 +116,15 @@ TEST_F(CallLogTest, RepeatOfAnUndeliveredCallGetsTheKeptResponse) {
   Outcome unused, repeat;
   ASSERT_TRUE(Admit(log, first, &unused));
   auto response = Response("kept");
+  first->trailing_metadata.emplace("x-kept", "yes");
   log.Finished(*first, absl::OkStatus(), response.get());
   log.Undelivered(first, absl::OkStatus(), std::move(response));
-  EXPECT_FALSE(Admit(log, Call(2, true), &repeat));
+  auto again = Call(2, true);
+  EXPECT_FALSE(Admit(log, again, &repeat));
   EXPECT_EQ(repeat.runs, 1);
   ASSERT_TRUE(repeat.status->ok()) << *repeat.status;
   EXPECT_EQ(LabelOf(repeat), "kept");
+  EXPECT_EQ(again->trailing_metadata, first->trailing_metadata);
 }
 
 // The connection a response goes out on, as the log sees it: a re-send

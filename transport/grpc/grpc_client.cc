@@ -11,7 +11,10 @@
 #include <condition_variable>
 #include <cstdint>
 #include <future>
+#include <map>
 #include <mutex>
+#include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 
@@ -44,6 +47,19 @@ class GrpcCanceller final : public internal::CallCanceller {
   std::mutex mu_;
   grpc::ClientContext* ctx_;
 };
+
+// The entries of gRPC's metadata a handler may have sent: the runtime's
+// own ("grpc-...", "rdmarpc-...") stay out.
+std::multimap<std::string, std::string> UserMetadata(
+    const std::multimap<grpc::string_ref, grpc::string_ref>& received) {
+  std::multimap<std::string, std::string> out;
+  for (const auto& [k, v] : received) {
+    std::string_view key(k.data(), k.size());
+    if (key.starts_with("grpc-") || key.starts_with("rdmarpc-")) continue;
+    out.emplace(std::string(key), std::string(v.data(), v.size()));
+  }
+  return out;
+}
 
 // What one lean call holds, whichever thread drives it: the request as a
 // head and chunks, the response's receiver, and the outcome. The caller of
@@ -161,6 +177,11 @@ class LeanCall {
         call_.ctx->IsCancelled()) {
       status = absl::CancelledError("call cancelled by the client");
     }
+    // Every operation is back, the finish included, so gRPC has read the
+    // server's metadata (none when the call failed before reaching it).
+    internal::ClientContextAccess::SetServerMetadata(
+        call_.ctx, UserMetadata(gctx_.GetServerInitialMetadata()),
+        UserMetadata(gctx_.GetServerTrailingMetadata()));
     CallStats* stats = internal::ClientContextAccess::mutable_stats(call_.ctx);
     stats->cpu_copied_bytes += sender_->cpu_copied_bytes() +
                                receiver_.cpu_copied_bytes() + accept_copied_;

@@ -319,6 +319,13 @@ class ServerCall {
 
   // On the queue's thread (inline handlers) or a worker.
   void Respond(Status s, std::unique_ptr<Message> response) {
+    // Nothing went out yet: the handler's initial metadata still can.
+    for (const auto& [k, v] : state_->initial_metadata) {
+      ctx_.AddInitialMetadata(k, v);
+    }
+    for (const auto& [k, v] : state_->trailing_metadata) {
+      ctx_.AddTrailingMetadata(k, v);
+    }
     // Past the deadline the client expects DEADLINE_EXCEEDED, whatever the
     // handler made of its cancellation.
     if (state_->deadline &&

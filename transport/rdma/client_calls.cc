@@ -1,7 +1,9 @@
 #include "transport/rdma/client_calls.h"
 
 #include <algorithm>
+#include <map>
 #include <optional>
+#include <string>
 #include <thread>
 #include <utility>
 
@@ -143,6 +145,17 @@ class RdmaCanceller final : public internal::CallCanceller {
   std::weak_ptr<ClientEndpoint> endpoint_;
   uint64_t call_id_;
 };
+
+}  // namespace
+
+namespace {
+
+std::multimap<std::string, std::string> MetadataMap(
+    const google::protobuf::RepeatedPtrField<Metadata>& entries) {
+  std::multimap<std::string, std::string> map;
+  for (const Metadata& m : entries) map.emplace(m.key(), m.value());
+  return map;
+}
 
 }  // namespace
 
@@ -498,6 +511,11 @@ Status ClientEndpoint::OnResponse(const FrameView& frame, Outcomes* outcomes) {
   }
   r.moved_at = internal::CoarseSteadyNow();
   r.in_flight_allowance = AllowanceFor(OutOfBandBytes(head.parts()));
+  // The caller reads them only once the call completed; a re-send over
+  // gRPC replaces them.
+  internal::ClientContextAccess::SetServerMetadata(
+      r.call.ctx, MetadataMap(head.initial_metadata()),
+      MetadataMap(head.trailing_metadata()));
   if (head.code() != 0) {
     bool not_sent =
         r.stage == ClientRecord::Stage::kAwaitGrant && head.not_executed();

@@ -13,6 +13,25 @@ namespace rdmarpc::rdma {
 
 using google::protobuf::Message;
 
+namespace {
+
+// The handler's metadata, into the response head it goes out with.
+void AddResponseMetadata(const internal::ServerCallState& state,
+                         ResponseHead* head) {
+  for (const auto& [k, v] : state.initial_metadata) {
+    Metadata* m = head->add_initial_metadata();
+    m->set_key(k);
+    m->set_value(v);
+  }
+  for (const auto& [k, v] : state.trailing_metadata) {
+    Metadata* m = head->add_trailing_metadata();
+    m->set_key(k);
+    m->set_value(v);
+  }
+}
+
+}  // namespace
+
 struct ServerRecord {
   enum class Stage {
     kRegistering,       // large landing memory being registered aside
@@ -127,9 +146,11 @@ void ServerEndpoint::ForgetLocked(uint64_t call_id) {
 }
 
 void ServerEndpoint::FailLocked(uint64_t call_id, const Status& status,
-                                bool not_executed) {
+                                bool not_executed,
+                                const internal::ServerCallState* answered) {
   ScratchHead<ResponseHead> head;
   head->set_call_id(call_id);
+  if (answered != nullptr) AddResponseMetadata(*answered, &*head);
   head->set_code(static_cast<int>(status.code()));
   std::string message(status.message());
   if (message.size() > limits_.max_status_message_bytes) {
@@ -390,16 +411,19 @@ ServerRecord* ServerEndpoint::RespondableLocked(
     return nullptr;
   }
   if (state->deadline && std::chrono::system_clock::now() > *state->deadline) {
-    FailLocked(call_id, absl::DeadlineExceededError(
-                            "deadline passed before the handler finished"));
+    FailLocked(call_id,
+               absl::DeadlineExceededError(
+                   "deadline passed before the handler finished"),
+               false, state.get());
     return nullptr;
   }
   if (!status->ok()) {
-    FailLocked(call_id, *status);
+    FailLocked(call_id, *status, false, state.get());
     return nullptr;
   }
   if (state->cancelled.load()) {
-    FailLocked(call_id, absl::CancelledError("call cancelled"));
+    FailLocked(call_id, absl::CancelledError("call cancelled"), false,
+               state.get());
     return nullptr;
   }
   return it->second.get();
@@ -420,6 +444,7 @@ void ServerEndpoint::Respond(
   }
   ScratchHead<ResponseHead> head;
   head->set_call_id(call_id);
+  AddResponseMetadata(*state, &*head);
   size_t base = kPreambleBytes + head->ByteSizeLong();
   size_t room =
       conn->max_frame_bytes() > base ? conn->max_frame_bytes() - base : 0;
@@ -435,7 +460,7 @@ void ServerEndpoint::Respond(
   if (!planned.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
     if (RespondableLocked(call_id, state, &status, &response) != nullptr) {
-      FailLocked(call_id, planned);
+      FailLocked(call_id, planned, false, state.get());
     }
     return;
   }
@@ -479,7 +504,9 @@ void ServerEndpoint::RegisterAndSend(
     if (closed_) cache->Clear();
     return;
   }
-  if (!sources.ok()) return FailLocked(call_id, sources.status());
+  if (!sources.ok()) {
+    return FailLocked(call_id, sources.status(), false, state.get());
+  }
   ServerRecord& r = *found;
   r.sources = *std::move(sources);
   r.out = std::move(out);

@@ -124,9 +124,12 @@ class ServerEndpoint final
   void OnCancel(uint64_t call_id);
   // Parses the landed request and queues it for ExecuteReady. Requires mu_.
   void DispatchLocked(uint64_t call_id);
-  // Sends an error response and forgets the call. Requires mu_.
+  // Sends an error response and forgets the call. `answered`: the state
+  // of a call whose handler returned, whose metadata goes with it.
+  // Requires mu_.
   void FailLocked(uint64_t call_id, const Status& status,
-                  bool not_executed = false);
+                  bool not_executed = false,
+                  const internal::ServerCallState* answered = nullptr);
   // Tells the dispatcher, once `sent` reports, whether the outcome of a
   // logged call reached the client (see call_log.h).
   std::function<void(Status)> SettleWhenSent(

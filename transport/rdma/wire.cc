@@ -1,9 +1,11 @@
 #include "transport/rdma/wire.h"
 
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/metadata.h"
 
 namespace rdmarpc::rdma {
 namespace {
@@ -180,6 +182,40 @@ StatusOr<FrameView> DecodeFrame(std::string_view bytes) {
   return view;
 }
 
+namespace {
+
+// The entries of `sets` together, against the limits; each entry as the
+// runtime accepts it (runtime/metadata.h), so a peer cannot hand a user
+// what a handler could not have sent.
+Status CheckMetadata(
+    std::initializer_list<const google::protobuf::RepeatedPtrField<Metadata>*>
+        sets,
+    const WireLimits& limits) {
+  size_t entries = 0;
+  size_t bytes = 0;
+  for (const auto* set : sets) {
+    entries += set->size();
+    if (entries > limits.max_metadata_entries) {
+      return Malformed(absl::StrCat(entries,
+                                    " metadata entries, more than the limit ",
+                                    limits.max_metadata_entries));
+    }
+    for (const Metadata& m : *set) {
+      bytes += m.key().size() + m.value().size();
+      Status entry = internal::CheckMetadataEntry(m.key(), m.value());
+      if (!entry.ok()) return Malformed(entry.message());
+    }
+  }
+  if (bytes > limits.max_metadata_bytes) {
+    return Malformed(absl::StrCat(bytes,
+                                  " bytes of metadata, more than the limit ",
+                                  limits.max_metadata_bytes));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 Status ParseRequest(const FrameView& frame, const WireLimits& limits,
                     RequestHead* out) {
   RDMARPC_RETURN_IF_ERROR(ParseHeadInto(frame, FrameType::kRequest, out));
@@ -191,20 +227,7 @@ Status ParseRequest(const FrameView& frame, const WireLimits& limits,
                                   " allowed)"));
   }
   if (head.timeout_us() < 0) return Malformed("negative timeout");
-  if (static_cast<size_t>(head.metadata_size()) > limits.max_metadata_entries) {
-    return Malformed(absl::StrCat(head.metadata_size(),
-                                  " metadata entries, more than the limit ",
-                                  limits.max_metadata_entries));
-  }
-  size_t metadata_bytes = 0;
-  for (const auto& m : head.metadata()) {
-    metadata_bytes += m.key().size() + m.value().size();
-  }
-  if (metadata_bytes > limits.max_metadata_bytes) {
-    return Malformed(absl::StrCat(metadata_bytes,
-                                  " bytes of metadata, more than the limit ",
-                                  limits.max_metadata_bytes));
-  }
+  RDMARPC_RETURN_IF_ERROR(CheckMetadata({&head.metadata()}, limits));
   RDMARPC_RETURN_IF_ERROR(CheckParts(head.parts(), frame, limits));
   return absl::OkStatus();
 }
@@ -221,6 +244,8 @@ Status ParseResponse(const FrameView& frame, const WireLimits& limits,
     return Malformed(
         absl::StrCat("status message of ", head.message().size(), " bytes"));
   }
+  RDMARPC_RETURN_IF_ERROR(CheckMetadata(
+      {&head.initial_metadata(), &head.trailing_metadata()}, limits));
   if (head.code() != 0) {
     // An error carries no payload.
     if (!head.parts().empty() || !frame.inline_bytes.empty()) {

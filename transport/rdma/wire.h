@@ -33,6 +33,7 @@
 
 #include "google/protobuf/message_lite.h"
 #include "rdmarpc/status.h"
+#include "runtime/metadata.h"
 #include "transport/rdma/rdma_frame.pb.h"
 
 namespace rdmarpc::rdma {
@@ -110,8 +111,9 @@ struct FrameView {
 struct WireLimits {
   size_t max_parts = 4096;
   size_t max_method_bytes = 1024;
-  size_t max_metadata_entries = 64;
-  size_t max_metadata_bytes = 16 << 10;  // keys and values together
+  // Request metadata, or a response's initial and trailing together.
+  size_t max_metadata_entries = internal::kMaxMetadataEntries;
+  size_t max_metadata_bytes = internal::kMaxMetadataBytes;
   size_t max_status_message_bytes = 16 << 10;
 };
 

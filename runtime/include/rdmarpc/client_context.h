@@ -86,13 +86,32 @@ class ClientContext {
   void set_wait_for_ready(bool wait) { wait_for_ready_ = wait; }
   bool wait_for_ready() const { return wait_for_ready_; }
 
-  // Sent to the server with the request. Keys are lower case ASCII; keys
-  // starting with "rdmarpc-" or "grpc-" are reserved.
+  // Sent to the server with the request. gRPC's rules: a key is lower case
+  // letters, digits, '-', '_' and '.', not starting with "grpc-" or
+  // "rdmarpc-" (reserved); a value is printable ASCII unless the key ends
+  // in "-bin". At most 64 entries and 16 KiB in all. A call whose metadata
+  // breaks them fails with INVALID_ARGUMENT (RESOURCE_EXHAUSTED for size)
+  // saying which entry.
   void AddMetadata(std::string key, std::string value) {
     metadata_.emplace(std::move(key), std::move(value));
   }
   const std::multimap<std::string, std::string>& metadata() const {
     return metadata_;
+  }
+
+  // What the server's handler sent back (ServerContext::AddInitialMetadata
+  // and AddTrailingMetadata), whichever transport carried the call. Valid
+  // once the call has completed, whatever its status; empty when the
+  // server sent none or the call never reached a handler.
+  //
+  //   for (const auto& [key, value] : ctx.GetServerTrailingMetadata()) ...
+  const std::multimap<std::string, std::string>& GetServerInitialMetadata()
+      const {
+    return server_initial_metadata_;
+  }
+  const std::multimap<std::string, std::string>& GetServerTrailingMetadata()
+      const {
+    return server_trailing_metadata_;
   }
 
   // Where received response tensors land (default: host memory).
@@ -158,6 +177,8 @@ class ClientContext {
   std::optional<std::chrono::system_clock::time_point> deadline_;
   bool wait_for_ready_ = false;
   std::multimap<std::string, std::string> metadata_;
+  std::multimap<std::string, std::string> server_initial_metadata_;
+  std::multimap<std::string, std::string> server_trailing_metadata_;
   Device placement_ = Device::Host();
   void* cuda_stream_ = nullptr;
   bool has_cuda_stream_ = false;

@@ -71,6 +71,20 @@ class ServerContext {
   bool IsCancelled() const;
   const std::multimap<std::string, std::string>& client_metadata() const;
 
+  // Sent to the client with the response, over either transport, with an
+  // error status too: initial metadata ahead of the response, trailing
+  // metadata after it, as gRPC sends them (a stock gRPC client sees them
+  // as such; an rdmarpc client reads both once the call completes, from
+  // ClientContext::GetServerInitialMetadata and GetServerTrailingMetadata).
+  // The rules of ClientContext::AddMetadata apply: INVALID_ARGUMENT names a
+  // key or value they refuse, RESOURCE_EXHAUSTED says when both sets
+  // together pass 64 entries or 16 KiB; the entry is then not added. Call
+  // them from the handler, before it returns.
+  //
+  //   RDMARPC_RETURN_IF_ERROR(ctx->AddTrailingMetadata("x-cache", "hit"));
+  Status AddInitialMetadata(std::string key, std::string value);
+  Status AddTrailingMetadata(std::string key, std::string value);
+
   // Received request tensors (Get) and response tensors to send (Set).
   // Buffers bound with Set are borrowed until the response has been sent,
   // which is after the handler returns: bind owned or shared buffers.
@@ -86,6 +100,8 @@ class ServerContext {
  private:
   friend class internal::ServerDispatcher;  // the runtime makes them
   explicit ServerContext(internal::ServerCallState* state) : state_(state) {}
+  Status AddResponseMetadata(std::multimap<std::string, std::string>* to,
+                             std::string key, std::string value);
 
   internal::ServerCallState* state_;
 };

@@ -217,6 +217,9 @@ TEST(WireTest, RequestHeadErrors) {
   head = Request({{false, 0}});
   head.mutable_metadata(0)->set_value(std::string(20000, 'v'));
   ExpectMalformed(parse(head), "bytes of metadata");
+  head = Request({{false, 0}});
+  head.mutable_metadata(0)->set_key("Upper");
+  ExpectMalformed(parse(head), "'Upper' has a character");
   head = Request({});
   for (int i = 0; i < 5000; ++i) head.add_parts()->set_size(0);
   ExpectMalformed(parse(head), "5000 parts");
@@ -251,6 +254,30 @@ TEST(WireTest, ResponseAndGrantErrors) {
   bytes = Encode(FrameType::kResponse, 0, &bad_code);
   frame = DecodeFrame(bytes);
   ExpectMalformed(ParseResponse(*frame, {}, &parsed), "status code 99");
+  // Response metadata: initial and trailing count together, and each entry
+  // follows the rules a handler's does.
+  ResponseHead with_metadata;
+  with_metadata.set_call_id(3);
+  with_metadata.set_code(14);
+  for (int i = 0; i < 40; ++i) {
+    auto* m = with_metadata.add_initial_metadata();
+    m->set_key("k" + std::to_string(i));
+    auto* t = with_metadata.add_trailing_metadata();
+    t->set_key("t" + std::to_string(i));
+  }
+  bytes = Encode(FrameType::kResponse, 0, &with_metadata);
+  frame = DecodeFrame(bytes);
+  ExpectMalformed(ParseResponse(*frame, {}, &parsed), "80 metadata entries");
+  with_metadata.clear_initial_metadata();
+  with_metadata.mutable_trailing_metadata(0)->set_value("line\nbreak");
+  bytes = Encode(FrameType::kResponse, 0, &with_metadata);
+  frame = DecodeFrame(bytes);
+  ExpectMalformed(ParseResponse(*frame, {}, &parsed), "not printable ASCII");
+  with_metadata.mutable_trailing_metadata(0)->set_value("fine");
+  bytes = Encode(FrameType::kResponse, 0, &with_metadata);
+  frame = DecodeFrame(bytes);
+  EXPECT_TRUE(ParseResponse(*frame, {}, &parsed).ok());
+  EXPECT_EQ(parsed.trailing_metadata_size(), 40);
 
   Grant grant;
   grant.set_call_id(1);
