@@ -2,8 +2,20 @@
 # The main job: installs dependencies, builds, starts the hello_tensor server
 # and runs the client against it. The client prints, per call, the transport
 # that carried it and why.
+#
+#   scripts/run_example.sh [--vm] [CLIENT ARGS...]
+#
+# --vm then runs scripts/example_in_vm.sh where RDMA exists (natively with
+# an ACTIVE RDMA port, else in the soft-RoCE VM, which takes a minute or
+# two to boot here): calls over RDMA, a fallback to gRPC when the RDMA
+# device is deleted, and the return to RDMA when it is back.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+vm=0
+if [ "${1:-}" = "--vm" ]; then
+  vm=1
+  shift
+fi
 scripts/install_deps.sh
 scripts/build.sh
 build_dir="${BUILD_DIR:-build}"
@@ -22,3 +34,9 @@ done
 [ -s "$port_file" ] || { echo "run_example: server did not report its port" >&2; exit 1; }
 port=$(cat "$port_file")
 "$bin/hello_tensor_client" --target="localhost:$port" "$@"
+if [ "$vm" = 1 ]; then
+  kill $server 2>/dev/null
+  wait $server 2>/dev/null || true
+  echo "== run_example: the same example where RDMA exists (tests/rdma_vm/run.sh)"
+  tests/rdma_vm/run.sh scripts/example_in_vm.sh "$build_dir"
+fi
