@@ -25,7 +25,7 @@ port_file=$(mktemp)
 rm -f "$port_file"
 "$bin/hello_tensor_server" --port=0 --port-file="$port_file" &
 server=$!
-trap 'kill $server 2>/dev/null; wait $server 2>/dev/null; rm -f "$port_file"' EXIT
+trap 'kill $server 2>/dev/null || true; wait $server 2>/dev/null || true; rm -f "$port_file"' EXIT
 for _ in $(seq 1 100); do
   [ -s "$port_file" ] && break
   kill -0 $server 2>/dev/null || { echo "run_example: server exited" >&2; exit 1; }
@@ -35,7 +35,7 @@ done
 port=$(cat "$port_file")
 "$bin/hello_tensor_client" --target="localhost:$port" "$@"
 if [ "$vm" = 1 ]; then
-  kill $server 2>/dev/null
+  kill $server 2>/dev/null || true
   wait $server 2>/dev/null || true
   echo "== run_example: the same example where RDMA exists (tests/rdma_vm/run.sh)"
   tests/rdma_vm/run.sh scripts/example_in_vm.sh "$build_dir"
