@@ -3,8 +3,10 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <optional>
 #include <random>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "runtime/access.h"
@@ -22,6 +24,90 @@ TransportRouter::TransportRouter(const ChannelOptions& options,
   if (options_.policy == TransportPolicy::kGrpc) {
     health_ = RdmaHealth::kGrpcOnly;
     reason_ = "policy 'grpc'";
+  }
+}
+
+// Cancels a parked call on ClientContext::TryCancel. Once the call leaves
+// the parking by another way, Forget() makes it a no-op, so a TryCancel
+// that raced with that never reaches a router that is gone.
+class TransportRouter::ParkedCanceller final : public CallCanceller {
+ public:
+  ParkedCanceller(TransportRouter* router, uint64_t ticket)
+      : router_(router), ticket_(ticket) {}
+  void Cancel() override {
+    std::optional<ClientCall> call;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (router_ != nullptr) call = router_->UnparkForCancel(ticket_);
+    }
+    if (!call) return;
+    ClientContextAccess::DetachCanceller(call->ctx);
+    auto done = std::move(call->done);
+    done(absl::CancelledError("call cancelled while it waited for RDMA"));
+  }
+  void Forget() {
+    std::lock_guard<std::mutex> lock(mu_);
+    router_ = nullptr;
+  }
+
+ private:
+  std::mutex mu_;  // taken before the router's mu_, never after
+  TransportRouter* router_;
+  const uint64_t ticket_;
+};
+
+bool TransportRouter::ParkLocked(ClientCall& call) {
+  ParkedCall parked;
+  parked.ticket = next_ticket_++;
+  if (auto deadline = call.ctx->deadline()) {
+    parked.deadline = std::chrono::steady_clock::now() +
+                      (*deadline - std::chrono::system_clock::now());
+  }
+  parked.canceller = std::make_shared<ParkedCanceller>(this, parked.ticket);
+  if (!ClientContextAccess::AttachCanceller(call.ctx, parked.canceller)) {
+    return false;
+  }
+  parked.call = std::move(call);
+  parked_.push_back(std::move(parked));
+  cv_.notify_all();  // the loop re-reads the earliest deadline
+  return true;
+}
+
+std::optional<ClientCall> TransportRouter::UnparkForCancel(uint64_t ticket) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = parked_.begin(); it != parked_.end(); ++it) {
+    if (it->ticket != ticket) continue;
+    ClientCall call = std::move(it->call);
+    parked_.erase(it);
+    return call;
+  }
+  return std::nullopt;
+}
+
+std::vector<TransportRouter::ParkedCall> TransportRouter::TakeExpiredLocked(
+    std::chrono::steady_clock::time_point now) {
+  std::vector<ParkedCall> expired;
+  std::erase_if(parked_, [&](ParkedCall& p) {
+    if (!p.deadline || *p.deadline > now) return false;
+    expired.push_back(std::move(p));
+    return true;
+  });
+  return expired;
+}
+
+void TransportRouter::Unparked(std::vector<ParkedCall>& calls) {
+  for (ParkedCall& p : calls) {
+    p.canceller->Forget();
+    ClientContextAccess::DetachCanceller(p.call.ctx);
+  }
+}
+
+void TransportRouter::FailParked(std::vector<ParkedCall> calls,
+                                 const Status& status) {
+  Unparked(calls);
+  for (ParkedCall& p : calls) {
+    auto done = std::move(p.call.done);
+    done(status);
   }
 }
 
@@ -43,6 +129,14 @@ TransportRouter::~TransportRouter() {
   }
   fast.reset();
   retired.clear();
+  std::vector<ParkedCall> parked;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    parked.swap(parked_);
+  }
+  FailParked(std::move(parked),
+             absl::UnavailableError(
+                 "the channel was destroyed while the call waited for RDMA"));
 }
 
 FastConnectResult TransportRouter::Connect() {
@@ -139,9 +233,33 @@ void TransportRouter::Loop() {
       continue;
     }
     std::uniform_real_distribution<double> jitter(0.75, 1.25);
-    auto wait = std::chrono::milliseconds(
-        static_cast<int64_t>(probe_backoff_.count() * jitter(random)));
-    if (cv_.wait_for(lock, wait, [this] { return stopping_; })) return;
+    const auto probe_at = std::chrono::steady_clock::now() +
+                          std::chrono::milliseconds(static_cast<int64_t>(
+                              probe_backoff_.count() * jitter(random)));
+    // Until the probe, parked calls fail as their deadlines pass.
+    while (!stopping_) {
+      auto until = probe_at;
+      for (const ParkedCall& p : parked_) {
+        if (p.deadline && *p.deadline < until) until = *p.deadline;
+      }
+      const uint64_t parked_before = next_ticket_;
+      cv_.wait_until(lock, until, [&] {
+        return stopping_ || next_ticket_ != parked_before;
+      });
+      const auto now = std::chrono::steady_clock::now();
+      if (std::vector<ParkedCall> expired = TakeExpiredLocked(now);
+          !expired.empty()) {
+        Status late = absl::DeadlineExceededError(
+            absl::StrCat("deadline passed while the call waited for RDMA "
+                         "(policy 'rdma', wait_for_ready): ",
+                         reason_));
+        lock.unlock();
+        FailParked(std::move(expired), late);
+        lock.lock();
+      }
+      if (now >= probe_at) break;
+    }
+    if (stopping_) return;
     lock.unlock();
     FastConnectResult connected = Connect();
     lock.lock();
@@ -161,6 +279,13 @@ void TransportRouter::Loop() {
     ready_since_ = std::chrono::steady_clock::now();
     ++counts_.switches;
     reason_.clear();
+    // Calls that waited for this go now.
+    std::vector<ParkedCall> parked;
+    parked.swap(parked_);
+    lock.unlock();
+    Unparked(parked);
+    for (ParkedCall& p : parked) (void)Route(std::move(p.call));
+    lock.lock();
   }
 }
 
@@ -251,6 +376,7 @@ TransportKind TransportRouter::Route(ClientCall call) {
   const bool caller_drives = std::exchange(call.caller_drives, false);
   std::shared_ptr<FastTransport> fast;
   std::string why;
+  bool cancelled = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     switch (health_) {
@@ -272,12 +398,23 @@ TransportKind TransportRouter::Route(ClientCall call) {
         }
         [[fallthrough]];
       case RdmaHealth::kDegraded:
+        if (options_.policy == TransportPolicy::kRdma && !call.resend &&
+            call.ctx->wait_for_ready()) {
+          if (ParkLocked(call)) return TransportKind::kNone;
+          cancelled = true;
+          break;
+        }
         why = absl::StrCat(reason_, "; RDMA is being probed");
         break;
       case RdmaHealth::kGrpcOnly:
         why = reason_;
         break;
     }
+  }
+  if (cancelled) {
+    auto done = std::move(call.done);
+    done(absl::CancelledError("call cancelled before start"));
+    return TransportKind::kNone;
   }
   if (!fast) {
     call.caller_drives = caller_drives;

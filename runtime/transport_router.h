@@ -32,6 +32,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -71,6 +72,30 @@ class TransportRouter {
               const std::string& trigger);
   // rdma-ready -> degraded. Requires mu_.
   void MarkLostLocked(const Status& why, const std::string& trigger);
+  // A call that waits for the fast path under policy 'rdma'
+  // (ClientContext::set_wait_for_ready) while it is down: sent when a probe
+  // brings it back, failed at the call's deadline, on TryCancel, or when
+  // the router goes.
+  class ParkedCanceller;
+  struct ParkedCall {
+    ClientCall call;
+    uint64_t ticket = 0;
+    std::optional<std::chrono::steady_clock::time_point> deadline;
+    std::shared_ptr<ParkedCanceller> canceller;
+  };
+  // Parks `call`; false (and `call` untouched) if it was cancelled first.
+  // Requires mu_.
+  bool ParkLocked(ClientCall& call);
+  // Takes the parked call `ticket` out, if still parked (TryCancel).
+  std::optional<ClientCall> UnparkForCancel(uint64_t ticket);
+  // Parked calls whose deadline passed, taken out. Requires mu_.
+  std::vector<ParkedCall> TakeExpiredLocked(
+      std::chrono::steady_clock::time_point now);
+  // Calls taken out of the parking: their cancellers let go of the router.
+  // Not under mu_ (a TryCancel may be waiting for it).
+  static void Unparked(std::vector<ParkedCall>& calls);
+  // Unparked, then completed with `status`. Not under mu_.
+  static void FailParked(std::vector<ParkedCall> calls, const Status& status);
 
   // A fast path lost sooner than this after it became ready keeps the
   // probe backoff growing (ChannelOptions::rdma_probe_max_backoff).
@@ -89,7 +114,9 @@ class TransportRouter {
   // Lost transports, destroyed by the background thread.
   std::vector<std::shared_ptr<FastTransport>> retired_;
   std::vector<ClientCall> waiting_;  // while kConnecting
-  ChannelTransportStats counts_;     // switches, triggers, probes
+  std::vector<ParkedCall> parked_;
+  uint64_t next_ticket_ = 1;
+  ChannelTransportStats counts_;  // switches, triggers, probes
   // The wait before the next probe, and when the fast path last became
   // ready (a connection lost soon after keeps the backoff growing).
   std::chrono::milliseconds probe_backoff_;

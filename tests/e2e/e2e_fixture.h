@@ -118,6 +118,17 @@ inline rdmarpc::StatusOr<std::unique_ptr<rdmarpc::Server>> StartE2EServer(
       .BuildAndStart();
 }
 
+// "127.0.0.1:<port>" for a port that was free a moment ago, with nothing
+// on it now (a server took it and shut down); empty if none could start.
+inline std::string VacatedTarget() {
+  E2EService service;
+  int port = 0;
+  auto server = StartE2EServer(&service, &port);
+  if (!server.ok()) return "";
+  (*server)->Shutdown();
+  return "127.0.0.1:" + std::to_string(port);
+}
+
 class E2ETest : public ::testing::TestWithParam<TransportCase> {
  protected:
   void SetUp() override {

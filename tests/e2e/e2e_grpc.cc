@@ -33,14 +33,8 @@ TEST(WaitForReady, CallWaitsForAServerThatComesUp) {
   for (auto policy :
        {rdmarpc::TransportPolicy::kAuto, rdmarpc::TransportPolicy::kGrpc}) {
     E2EService service;
-    int port = 0;
-    // A port that was free a moment ago, with nothing on it now.
-    {
-      auto probe = StartE2EServer(&service, &port);
-      ASSERT_TRUE(probe.ok()) << probe.status();
-      (*probe)->Shutdown();
-    }
-    const std::string target = "127.0.0.1:" + std::to_string(port);
+    const std::string target = VacatedTarget();
+    ASSERT_FALSE(target.empty());
     rdmarpc::ChannelOptions options;
     options.policy = policy;
 

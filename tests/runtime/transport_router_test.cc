@@ -143,6 +143,11 @@ class ScriptedConnector {
     std::lock_guard<std::mutex> lock(mu_);
     return last_;
   }
+  // Every attempt from now on comes to `o`.
+  void ThenAlways(Outcome o) {
+    std::lock_guard<std::mutex> lock(mu_);
+    script_ = {o};
+  }
   size_t attempts() {
     std::lock_guard<std::mutex> lock(mu_);
     return attempts_;
@@ -182,8 +187,12 @@ class TransportRouterTest : public ::testing::Test {
 
   // Routes call `id`; its completion lands in dones_[id]. Returns the
   // transport that took it.
-  TransportKind Route(TransportRouter& router, uint64_t id) {
+  TransportKind Route(TransportRouter& router, uint64_t id,
+                      bool wait_for_ready = false,
+                      std::optional<std::chrono::milliseconds> timeout = {}) {
     contexts_.push_back(std::make_unique<ClientContext>());
+    contexts_.back()->set_wait_for_ready(wait_for_ready);
+    if (timeout) contexts_.back()->set_timeout(*timeout);
     ClientCall call;
     call.method = "/test.Svc/Run";
     call.ctx = contexts_.back().get();
@@ -194,6 +203,26 @@ class TransportRouterTest : public ::testing::Test {
       ++done->runs;
     };
     return router.Route(std::move(call));
+  }
+
+  // Waits (10 s at most) until `done` ran.
+  static bool WaitForRun(const Done& done) {
+    auto until = std::chrono::steady_clock::now() + 10s;
+    while (done.runs.load() == 0) {
+      if (std::chrono::steady_clock::now() > until) return false;
+      std::this_thread::sleep_for(1ms);
+    }
+    return true;
+  }
+
+  // Waits until the connector was tried `n` times.
+  bool WaitForAttempts(size_t n) {
+    auto until = std::chrono::steady_clock::now() + 10s;
+    while (connector_->attempts() < n) {
+      if (std::chrono::steady_clock::now() > until) return false;
+      std::this_thread::sleep_for(1ms);
+    }
+    return true;
   }
 
   static bool WaitFor(TransportRouter& router, RdmaHealth health) {
@@ -326,6 +355,67 @@ TEST_F(TransportRouterTest, PolicyRdmaFailsInsteadOfFallingBack) {
   EXPECT_NE(dones_[1].status->message().find("may have run"), std::string::npos)
       << *dones_[1].status;
   EXPECT_TRUE(fallback_.started().empty());
+}
+
+// gRPC's wait-for-ready under policy 'rdma': the call waits out a down
+// fast path instead of failing, and goes over RDMA once a probe is through.
+TEST_F(TransportRouterTest, PolicyRdmaWaitForReadyWaitsForTheFastPath) {
+  auto router = Router(Options(TransportPolicy::kRdma), {Outcome::kFail});
+  EXPECT_EQ(Route(*router, 1, /*wait_for_ready=*/true), TransportKind::kNone);
+  ASSERT_TRUE(WaitFor(*router, RdmaHealth::kDegraded));
+  ASSERT_TRUE(WaitForAttempts(4));  // three probes failed meanwhile
+  EXPECT_EQ(dones_[1].runs.load(), 0);
+  // Without wait-for-ready a call fails at once, saying why.
+  Route(*router, 2);
+  ASSERT_EQ(dones_[2].runs.load(), 1);
+  EXPECT_EQ(dones_[2].status->code(), absl::StatusCode::kUnavailable);
+  connector_->ThenAlways(Outcome::kConnect);
+  ASSERT_TRUE(WaitFor(*router, RdmaHealth::kReady));
+  auto until = std::chrono::steady_clock::now() + 10s;
+  while (connector_->last()->held().size() < 1 &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(1ms);
+  }
+  ASSERT_EQ(connector_->last()->held().size(), 1u);
+  EXPECT_EQ(dones_[1].runs.load(), 0);
+  connector_->last()->CompleteAll();
+  EXPECT_EQ(dones_[1].runs.load(), 1);
+  EXPECT_TRUE(dones_[1].status->ok()) << *dones_[1].status;
+  EXPECT_EQ(contexts_[0]->stats().transport, TransportKind::kRdma);
+  EXPECT_TRUE(fallback_.started().empty());
+}
+
+TEST_F(TransportRouterTest, AWaitingCallEndsAtItsDeadlineOrOnCancelOnce) {
+  auto router = Router(Options(TransportPolicy::kRdma), {Outcome::kFail});
+  Route(*router, 1, /*wait_for_ready=*/true, 50ms);
+  Route(*router, 2, /*wait_for_ready=*/true);
+  ASSERT_TRUE(WaitForRun(dones_[1]));
+  EXPECT_EQ(dones_[1].status->code(), absl::StatusCode::kDeadlineExceeded)
+      << *dones_[1].status;
+  EXPECT_NE(dones_[1].status->message().find("fake connect refused"),
+            std::string::npos)
+      << *dones_[1].status;
+  EXPECT_EQ(dones_[2].runs.load(), 0);  // no deadline: still waiting
+  contexts_[1]->TryCancel();
+  ASSERT_EQ(dones_[2].runs.load(), 1);
+  EXPECT_EQ(dones_[2].status->code(), absl::StatusCode::kCancelled);
+  // Neither runs again when the fast path comes back.
+  connector_->ThenAlways(Outcome::kConnect);
+  ASSERT_TRUE(WaitFor(*router, RdmaHealth::kReady));
+  EXPECT_EQ(connector_->last()->held().size(), 0u);
+  EXPECT_EQ(dones_[1].runs.load(), 1);
+  EXPECT_EQ(dones_[2].runs.load(), 1);
+}
+
+TEST_F(TransportRouterTest, DestroyingTheRouterEndsWaitingCallsOnce) {
+  auto router = Router(Options(TransportPolicy::kRdma), {Outcome::kFail});
+  Route(*router, 1, /*wait_for_ready=*/true);
+  ASSERT_TRUE(WaitFor(*router, RdmaHealth::kDegraded));
+  router.reset();
+  ASSERT_EQ(dones_[1].runs.load(), 1);
+  EXPECT_EQ(dones_[1].status->code(), absl::StatusCode::kUnavailable);
+  contexts_[0]->TryCancel();  // after the router: nothing to reach
+  EXPECT_EQ(dones_[1].runs.load(), 1);
 }
 
 TEST_F(TransportRouterTest, PolicyGrpcNeverConnects) {

@@ -80,9 +80,14 @@ class ClientContext {
 
   // Whether the call waits for the server to become reachable (until its
   // deadline) instead of failing UNAVAILABLE at once while none answers,
-  // as gRPC's wait-for-ready. It applies where gRPC carries the call: under
-  // the 'auto' and 'grpc' policies, a call made while no server listens
-  // goes over gRPC and waits there. Default: no.
+  // as gRPC's wait-for-ready. Under the 'auto' and 'grpc' policies, a call
+  // made while no server listens goes over gRPC and waits there. Under
+  // 'rdma', a call made while the channel's RDMA path is down (degraded:
+  // the server or its RDMA side not reachable yet, or lost) waits for the
+  // channel's probe to bring it back, then goes over RDMA; it fails with
+  // DEADLINE_EXCEEDED at its deadline (without one it waits as long as it
+  // takes), CANCELLED on TryCancel, and UNAVAILABLE at once where RDMA
+  // cannot come back (no RDMA device on a side). Default: no.
   void set_wait_for_ready(bool wait) { wait_for_ready_ = wait; }
   bool wait_for_ready() const { return wait_for_ready_; }
 
