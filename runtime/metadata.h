@@ -25,6 +25,11 @@ namespace rdmarpc::internal {
 
 inline constexpr size_t kMaxMetadataEntries = 64;
 inline constexpr size_t kMaxMetadataBytes = 16 << 10;
+// gRPC counts 32 bytes per entry beyond its key and value, adds its own
+// headers and the status message, and refuses more than 8 KiB by default
+// (grpc.max_metadata_size): both ends of the gRPC transport raise that to
+// this, which holds the largest metadata plus a 16 KiB message.
+inline constexpr int kGrpcMetadataLimitBytes = 64 << 10;
 
 using MetadataMap = std::multimap<std::string, std::string>;
 

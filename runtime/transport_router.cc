@@ -87,11 +87,12 @@ std::optional<ClientCall> TransportRouter::UnparkForCancel(uint64_t ticket) {
 std::vector<TransportRouter::ParkedCall> TransportRouter::TakeExpiredLocked(
     std::chrono::steady_clock::time_point now) {
   std::vector<ParkedCall> expired;
-  std::erase_if(parked_, [&](ParkedCall& p) {
-    if (!p.deadline || *p.deadline > now) return false;
-    expired.push_back(std::move(p));
-    return true;
-  });
+  std::vector<ParkedCall> waiting;
+  for (ParkedCall& p : parked_) {
+    (p.deadline && *p.deadline <= now ? expired : waiting)
+        .push_back(std::move(p));
+  }
+  parked_.swap(waiting);
   return expired;
 }
 

@@ -492,6 +492,30 @@ TEST_P(E2ETest, AnErrorCarriesTheHandlersMetadata) {
   EXPECT_TRUE(ctx.GetServerInitialMetadata().empty());
 }
 
+// Metadata up to the limits both ways, with an error message as long as
+// the RDMA wire takes: it all arrives (the message may be cut, never the
+// call).
+TEST_P(E2ETest, MetadataAtTheLimitsArrivesWithALongError) {
+  ClientContext ctx;
+  const std::string value(1000, 'v');
+  for (int i = 0; i < 15; ++i) {
+    ctx.AddMetadata("x-send-trailing", "k" + std::to_string(i) + "=" + value);
+  }
+  EchoRequest req;
+  req.set_fail_code(static_cast<int>(absl::StatusCode::kUnavailable));
+  req.set_fail_message("overloaded" + std::string(16000, '.'));
+  EchoResponse resp;
+  rdmarpc::Status s = stub_->Fail(&ctx, req, &resp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable)
+      << s.message().substr(0, 300);
+  EXPECT_EQ(s.message().substr(0, 10), "overloaded")
+      << s.message().substr(0, 200);
+  ASSERT_EQ(ctx.GetServerTrailingMetadata().size(), 15u);
+  for (const auto& [k, v] : ctx.GetServerTrailingMetadata()) {
+    EXPECT_EQ(v, value) << k;
+  }
+}
+
 TEST_P(E2ETest, MetadataTheRulesRefuseIsNamed) {
   // On the client: the call fails before it is sent, naming the entry.
   struct Bad {

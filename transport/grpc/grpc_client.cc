@@ -22,6 +22,7 @@
 #include "runtime/access.h"
 #include "runtime/codec.h"
 #include "runtime/completion.h"
+#include "runtime/metadata.h"
 #include "transport/grpc/lean_codec.h"
 #include "transport/grpc/status_convert.h"
 #include "transport/grpc/tsan_tags.h"
@@ -447,6 +448,8 @@ GrpcClientTransport::GrpcClientTransport(const std::string& target,
         // Tensors travel in chunks, but a plain message may still be large.
         args.SetMaxReceiveMessageSize(-1);
         args.SetMaxSendMessageSize(-1);
+        args.SetInt(GRPC_ARG_MAX_METADATA_SIZE,
+                    internal::kGrpcMetadataLimitBytes);
         // gRPC is the fallback: after a server restart it must come back in
         // seconds, not after gRPC's default backoff of up to 120 s. gRPC
         // reads the "min reconnect backoff" as the least time it gives one

@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "runtime/codec.h"
+#include "runtime/metadata.h"
 #include "runtime/tensor_walk.h"
 #include "transport/grpc/lean_codec.h"
 #include "transport/grpc/status_convert.h"
@@ -597,6 +598,8 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::Start(
   }
   builder.SetMaxReceiveMessageSize(-1);
   builder.SetMaxSendMessageSize(-1);
+  builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE,
+                             internal::kGrpcMetadataLimitBytes);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT,
                              listen.port_reuse ? 1 : 0);
   if (listen.keepalive_permit.count() > 0) {

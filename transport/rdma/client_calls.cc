@@ -146,10 +146,6 @@ class RdmaCanceller final : public internal::CallCanceller {
   uint64_t call_id_;
 };
 
-}  // namespace
-
-namespace {
-
 std::multimap<std::string, std::string> MetadataMap(
     const google::protobuf::RepeatedPtrField<Metadata>& entries) {
   std::multimap<std::string, std::string> map;

@@ -1,5 +1,6 @@
 #include "transport/rdma/server_calls.h"
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 
@@ -152,12 +153,16 @@ void ServerEndpoint::FailLocked(uint64_t call_id, const Status& status,
   head->set_call_id(call_id);
   if (answered != nullptr) AddResponseMetadata(*answered, &*head);
   head->set_code(static_cast<int>(status.code()));
-  std::string message(status.message());
-  if (message.size() > limits_.max_status_message_bytes) {
-    message.resize(limits_.max_status_message_bytes);
-  }
-  head->set_message(message);
   head->set_not_executed(not_executed);
+  // The message is cut to what the peer takes, and to what still fits in
+  // one frame beside the metadata (a varint tag and length take <= 6).
+  const size_t used = kPreambleBytes + head->ByteSizeLong() + 6;
+  const size_t fits =
+      conn_->max_frame_bytes() > used ? conn_->max_frame_bytes() - used : 0;
+  std::string message(status.message());
+  message.resize(
+      std::min({message.size(), limits_.max_status_message_bytes, fits}));
+  head->set_message(message);
   auto it = calls_.find(call_id);
   std::function<void(Status)> sent;
   if (it != calls_.end() && it->second->state && it->second->state->logged) {
