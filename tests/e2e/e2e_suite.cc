@@ -3,6 +3,7 @@
 #include <condition_variable>
 #include <functional>
 #include <future>
+#include <iostream>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -727,6 +728,11 @@ std::pair<rdmarpc::Status, rdmarpc::TransportKind> EchoOverTls(
   rdmarpc::ChannelOptions options;
   options.policy = policy;
   options.tls = std::move(tls);
+  // Which transport carries the call is what these tests check: a TSan
+  // build in the TCG VM must not lose RDMA to slowness (CI once saw the
+  // server accept the connection and the call still go over gRPC).
+  options.rdma_connect_timeout = std::chrono::seconds(60);
+  options.rdma_peer_timeout = std::chrono::seconds(60);
   auto stub = E2E::NewStub(
       rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port), options));
   ClientContext ctx;
@@ -735,6 +741,9 @@ std::pair<rdmarpc::Status, rdmarpc::TransportKind> EchoOverTls(
   req.set_note("tls");
   EchoResponse resp;
   rdmarpc::Status s = stub->Echo(&ctx, req, &resp);
+  if (s.ok()) {
+    std::cout << "EchoOverTls: " << ctx.stats().ToString() << "\n";
+  }
   return {s, ctx.stats().transport};
 }
 
