@@ -26,6 +26,24 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
 start=$(date +%s)
+# Everything printed is also kept, so that the end of the run can repeat
+# what each failing test said: a CI log that keeps only the head and tail of
+# a long run still shows why.
+output_log="$root/test-output.log"
+exec > >(tee "$output_log") 2>&1
+tee_pid=$!
+# Prints the gtest failure messages, the start of each sanitizer report and
+# the failed tests' names of the whole run, at most 300 lines.
+failure_digest() {
+  awk '
+    /: Failure$/ { grab = 14 }
+    /^\[  FAILED  \] .*\([0-9]+ ms\)$/ { print; grab = 0; next }
+    /^(==[0-9]+==ERROR|WARNING: ThreadSanitizer)/ { print; grab = 40; next }
+    /^SUMMARY: / { print; grab = 0; next }
+    /^[0-9]+\/[0-9]+ Test +#[0-9]+: .*Failed/ { print; next }
+    grab > 0 { if ($0 ~ /^\[/) grab = 0; else { print; --grab } }
+  ' "$output_log" | head -300
+}
 # Runs "$@" and prints how long it took; its exit code is kept.
 timed() {
   local name=$1 t0 rc=0
@@ -108,5 +126,11 @@ kill \$watcher
 exit \$s"
 RDMARPC_VM_VERBOSE=1 timed "rdma groups and fault tests in the VM (boot included)" \
   "$root/tests/rdma_vm/run.sh" sh -c "$vm_script" || status=1
+if [ "$status" != 0 ]; then
+  echo "test.sh: what the failing tests said (all of it is in $output_log):"
+  failure_digest
+fi
 echo "test.sh: done in $(($(date +%s) - start)) s"
+exec >&- 2>&-
+wait "$tee_pid" || true
 exit "$status"

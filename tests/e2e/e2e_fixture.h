@@ -129,16 +129,28 @@ inline std::string VacatedTarget() {
   return "127.0.0.1:" + std::to_string(port);
 }
 
+// Options for a channel whose calls these tests expect on a given
+// transport. A loaded machine (a TSan build in the TCG VM) may take seconds
+// to connect or to answer, which the default RDMA timers (5 s, 3 s) would
+// take for a failed path and move the call to gRPC. Tests of those timers
+// set their own.
+inline rdmarpc::ChannelOptions PatientChannelOptions(
+    rdmarpc::TransportPolicy policy) {
+  rdmarpc::ChannelOptions options;
+  options.policy = policy;
+  options.rdma_connect_timeout = std::chrono::seconds(60);
+  options.rdma_peer_timeout = std::chrono::seconds(60);
+  return options;
+}
+
 class E2ETest : public ::testing::TestWithParam<TransportCase> {
  protected:
   void SetUp() override {
     auto server = StartE2EServer(&service_, &port_);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
-    rdmarpc::ChannelOptions options;
-    options.policy = GetParam().policy;
-    channel_ =
-        rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port_), options);
+    channel_ = rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port_),
+                                      PatientChannelOptions(GetParam().policy));
     stub_ = E2E::NewStub(channel_);
   }
 

@@ -80,7 +80,8 @@ TEST(RdmaConnectionLimit, AClientOverTheLimitIsToldWhy) {
   EchoRequest req;
   EchoResponse resp;
 
-  auto first = E2E::NewStub(rdmarpc::CreateChannel(target));
+  auto first = E2E::NewStub(rdmarpc::CreateChannel(
+      target, PatientChannelOptions(rdmarpc::TransportPolicy::kAuto)));
   rdmarpc::ClientContext c1;
   ASSERT_TRUE(first->Echo(&c1, req, &resp).ok());
   EXPECT_EQ(c1.stats().transport, rdmarpc::TransportKind::kRdma)

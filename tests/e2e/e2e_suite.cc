@@ -230,8 +230,7 @@ TEST_P(E2ETest, InlineServerRunsMethodsMarkedBlockingOnItsWorkers) {
     if (marked) builder.SetMethodBlocking("/rdmarpc_test.E2E/Slow");
     auto server = builder.BuildAndStart();
     ASSERT_TRUE(server.ok()) << server.status();
-    rdmarpc::ChannelOptions options;
-    options.policy = GetParam().policy;
+    rdmarpc::ChannelOptions options = PatientChannelOptions(GetParam().policy);
     auto stub = E2E::NewStub(
         rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port), options));
     ClientContext ctx;
@@ -371,8 +370,7 @@ TEST_P(E2ETest, ChannelDroppedAsSoonAsManyConcurrentCallsComplete) {
   constexpr int kRounds = 2;
   constexpr int kInFlight = 64;
   for (int round = 0; round < kRounds; ++round) {
-    rdmarpc::ChannelOptions options;
-    options.policy = GetParam().policy;
+    rdmarpc::ChannelOptions options = PatientChannelOptions(GetParam().policy);
     auto stub = E2E::NewStub(
         rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port_), options));
     struct Loop {
@@ -666,8 +664,7 @@ TEST_P(E2ETest, CallsOverTheConnectionLimitFailNamingIt) {
                     .SetMaxCallsPerConnection(2)
                     .BuildAndStart();
   ASSERT_TRUE(server.ok()) << server.status();
-  rdmarpc::ChannelOptions options;
-  options.policy = GetParam().policy;
+  rdmarpc::ChannelOptions options = PatientChannelOptions(GetParam().policy);
   auto stub = E2E::NewStub(
       rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port), options));
   EchoRequest req;
@@ -725,14 +722,11 @@ TEST_P(E2ETest, CallsOverTheConnectionLimitFailNamingIt) {
 std::pair<rdmarpc::Status, rdmarpc::TransportKind> EchoOverTls(
     int port, rdmarpc::TransportPolicy policy,
     std::optional<rdmarpc::TlsChannelCredentials> tls) {
-  rdmarpc::ChannelOptions options;
-  options.policy = policy;
-  options.tls = std::move(tls);
   // Which transport carries the call is what these tests check: a TSan
   // build in the TCG VM must not lose RDMA to slowness (CI once saw the
   // server accept the connection and the call still go over gRPC).
-  options.rdma_connect_timeout = std::chrono::seconds(60);
-  options.rdma_peer_timeout = std::chrono::seconds(60);
+  rdmarpc::ChannelOptions options = PatientChannelOptions(policy);
+  options.tls = std::move(tls);
   auto stub = E2E::NewStub(
       rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port), options));
   ClientContext ctx;
@@ -898,8 +892,7 @@ class TaggingInterceptor final : public rdmarpc::ClientInterceptor {
 TEST_P(E2ETest, ClientInterceptorsWrapEveryCallOnce) {
   auto one = std::make_shared<TaggingInterceptor>("one");
   auto two = std::make_shared<TaggingInterceptor>("two");
-  rdmarpc::ChannelOptions options;
-  options.policy = GetParam().policy;
+  rdmarpc::ChannelOptions options = PatientChannelOptions(GetParam().policy);
   options.interceptors = {one, two};
   auto stub = E2E::NewStub(
       rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port_), options));
@@ -986,8 +979,7 @@ TEST_P(E2ETest, ServerInterceptorsGateHandlersAndSeeOutcomes) {
                     .AddInterceptor(gate)
                     .BuildAndStart();
   ASSERT_TRUE(server.ok()) << server.status();
-  rdmarpc::ChannelOptions options;
-  options.policy = GetParam().policy;
+  rdmarpc::ChannelOptions options = PatientChannelOptions(GetParam().policy);
   auto stub = E2E::NewStub(
       rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port), options));
   EchoRequest req;
