@@ -209,7 +209,9 @@ Status Connection::PostSendBufferLocked(size_t bytes,
   sge.length = static_cast<uint32_t>(bytes);
   sge.lkey = res_.send_mr->lkey;
   ibv_send_wr wr{};
-  RDMARPC_ASSIGN_OR_RETURN(wr.wr_id, NextWrIdLocked());
+  StatusOr<uint64_t> wr_id = NextWrIdLocked();
+  if (!wr_id.ok()) return UnpostedLocked(wr_id.status(), std::move(sent));
+  wr.wr_id = *wr_id;
   wr.sg_list = &sge;
   wr.num_sge = 1;
   wr.opcode = IBV_WR_SEND;
@@ -219,7 +221,10 @@ Status Connection::PostSendBufferLocked(size_t bytes,
   wr.send_flags = signaled ? IBV_SEND_SIGNALED : 0;
   ibv_send_wr* bad = nullptr;
   int rc = ibv_post_send(res_.qp.get(), &wr, &bad);
-  if (rc != 0) return VerbsError("ibv_post_send (frame)", rc);
+  if (rc != 0) {
+    return UnpostedLocked(VerbsError("ibv_post_send (frame)", rc),
+                          std::move(sent));
+  }
   free_send_buffers_.pop_back();
   RDMARPC_RETURN_IF_ERROR(
       TrackPostedLocked(wr.wr_id, buffer, std::move(sent), signaled));
@@ -227,6 +232,12 @@ Status Connection::PostSendBufferLocked(size_t bytes,
   if (!signaled) ++counters_.frames_unsignaled;
   if (credit_only) ++counters_.credit_frames_sent;
   return absl::OkStatus();
+}
+
+Status Connection::UnpostedLocked(Status why,
+                                  std::function<void(Status)> sent) {
+  if (sent) unposted_.push_back(std::move(sent));
+  return why;
 }
 
 StatusOr<uint64_t> Connection::NextWrIdLocked() {
@@ -675,6 +686,8 @@ void Connection::FinishClose() {
       if (f.sent) pending.push_back(std::move(f.sent));
     }
     frames_.clear();
+    for (auto& f : unposted_) pending.push_back(std::move(f));
+    unposted_.clear();
   }
   ConsumeEvents();
   for (auto& f : pending) f(why);

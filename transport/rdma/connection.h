@@ -267,6 +267,10 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // with the credits to return. The caller took the window's slot.
   Status PostSendBufferLocked(size_t bytes, std::function<void(Status)> sent,
                               bool credit_only);
+  // A frame that could not be posted: returns `why`, which makes the
+  // caller close the connection, and keeps `sent` for FinishClose to fail
+  // (a logged call's response must hear its fate).
+  Status UnpostedLocked(Status why, std::function<void(Status)> sent);
   // The id of the next send work request: a sequence number over the
   // free posted_ slot it takes. A slot is not reused by wr_id order: a
   // write posted aside completes after frames posted after it.
@@ -310,6 +314,7 @@ class Connection : public std::enable_shared_from_this<Connection>,
   CreditWindow window_;
   std::deque<PendingFrame> frames_;
   std::deque<PendingWrite> writes_;
+  std::vector<std::function<void(Status)>> unposted_;  // see UnpostedLocked
   std::vector<int> free_send_buffers_;
   std::vector<Posted> posted_;         // see TrackPostedLocked
   std::vector<uint32_t> free_posted_;  // slots of posted_ not in use

@@ -628,19 +628,22 @@ void ServerEndpoint::OnClosed(const Status&) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     closed_ = true;
+    // With a client id, the client re-sends its calls over gRPC: a running
+    // handler goes on, and a response it could not take (or take whole)
+    // is kept for the re-send; writes still in flight find no call and
+    // report nothing. Decided by the connection, not by the call's
+    // `logged`: a dispatched call is logged by whichever thread runs
+    // Execute, maybe after this, and cancelling it would answer its
+    // re-send CANCELLED.
+    const bool resent = client_id_ != 0;
     for (auto& [id, r] : calls_) {
       if (!r->state) continue;
-      if (r->state->logged) {
-        // The client re-sends it over gRPC: a running handler goes on, and
-        // a response it could not take (or take whole) is kept for the
-        // re-send; writes still in flight find no call and report nothing.
-        if (r->stage == ServerRecord::Stage::kAwaitResponseGrant ||
-            r->stage == ServerRecord::Stage::kWritingResponse) {
-          dispatcher_->Undelivered(r->state, absl::OkStatus(),
-                                   std::move(r->response));
-        } else if (r->stage == ServerRecord::Stage::kRunning) {
-          running.push_back(r->state);
-        }
+      if (resent && (r->stage == ServerRecord::Stage::kAwaitResponseGrant ||
+                     r->stage == ServerRecord::Stage::kWritingResponse)) {
+        dispatcher_->Undelivered(r->state, absl::OkStatus(),
+                                 std::move(r->response));
+      } else if (resent && r->stage == ServerRecord::Stage::kRunning) {
+        running.push_back(r->state);
       } else {
         r->state->cancelled.store(true);
       }
