@@ -32,6 +32,8 @@ start=$(date +%s)
 output_log="$root/test-output.log"
 exec > >(tee "$output_log") 2>&1
 tee_pid=$!
+# Lets tee write the last lines before the script's exit code is seen.
+trap 'exec >&- 2>&-; wait "$tee_pid" || true' EXIT
 # Prints the gtest failure messages, the start of each sanitizer report and
 # the failed tests' names of the whole run, at most 300 lines.
 failure_digest() {
@@ -131,6 +133,4 @@ if [ "$status" != 0 ]; then
   failure_digest
 fi
 echo "test.sh: done in $(($(date +%s) - start)) s"
-exec >&- 2>&-
-wait "$tee_pid" || true
 exit "$status"
