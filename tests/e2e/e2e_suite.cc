@@ -151,7 +151,7 @@ TEST_P(E2ETest, HandlerIsNotStartedPastItsDeadline) {
     stub_->Slow(contexts[i].get(), requests[i], &responses[i],
                 [&done, i](rdmarpc::Status s) { done[i].set_value(s); });
   }
-  for (int i = 0; i < 1000 && service_.slow_started.load() < kWorkers; ++i) {
+  for (int i = 0; i < 6000 && service_.slow_started.load() < kWorkers; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   ASSERT_EQ(service_.slow_started.load(), kWorkers);
@@ -205,8 +205,10 @@ TEST_P(E2ETest, BlockingCallCancelledFromAnotherThreadGivesCancelled) {
   EchoRequest req;
   req.set_sleep_ms(10000);
   EchoResponse resp;
+  // Cancels once the handler runs (a loaded machine may take seconds to
+  // connect and deliver the call; 60 s bound a hang).
   std::thread canceller([&] {
-    for (int i = 0; i < 500 && service_.slow_started.load() == 0; ++i) {
+    for (int i = 0; i < 6000 && service_.slow_started.load() == 0; ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
     ctx.TryCancel();
@@ -302,7 +304,7 @@ TEST_P(E2ETest, ServerShutdownWithCallsInFlightRunsEveryCallbackOnce) {
     });
     calls.push_back(std::move(c));
   }
-  for (int i = 0; i < 500 && service_.slow_started.load() < kCalls; ++i) {
+  for (int i = 0; i < 6000 && service_.slow_started.load() < kCalls; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   server_->Shutdown(std::chrono::system_clock::now() +
@@ -685,7 +687,7 @@ TEST_P(E2ETest, CallsOverTheConnectionLimitFailNamingIt) {
         &slow_ctx[i], slow_req, &slow_resp[i],
         [&slow_done, i](rdmarpc::Status s) { slow_done[i].set_value(s); });
   }
-  for (int i = 0; i < 1000 && service.slow_started.load() < 2; ++i) {
+  for (int i = 0; i < 6000 && service.slow_started.load() < 2; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   ASSERT_EQ(service.slow_started.load(), 2);
