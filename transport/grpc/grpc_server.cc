@@ -25,7 +25,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "runtime/codec.h"
-#include "runtime/fault_injection.h"
 #include "runtime/metadata.h"
 #include "runtime/tensor_walk.h"
 #include "transport/grpc/lean_codec.h"
@@ -313,11 +312,6 @@ class ServerCall {
   }
 
   void Dispatch() {
-    // Fault injection: a re-sent call waits here, before the call log.
-    if (state_->resend) {
-      internal::fault::HoldWhileArmed("grpc.server.hold_resend",
-                                      "grpc.server.resend_held");
-    }
     service_->dispatcher()->Execute(
         state_, request_, [this](Status s, std::unique_ptr<Message> response) {
           Respond(std::move(s), std::move(response));

@@ -226,8 +226,6 @@ RdmaServerStats RdmaServerTransport::stats() const {
   s.connections_accepted = shared_->accepted.load();
   s.connects_refused = shared_->refused.load();
   s.protocol_errors = shared_->protocol_errors.load();
-  std::lock_guard<std::mutex> lock(shared_->mu);
-  s.connections_open = static_cast<uint64_t>(shared_->endpoints_open);
   return s;
 }
 

@@ -204,12 +204,6 @@ void ServerEndpoint::ExecuteReady() {
     std::lock_guard<std::mutex> lock(mu_);
     ready.swap(ready_);
   }
-  // Fault injection: dispatched calls wait here, before the call log
-  // sees them, while a test breaks their connection.
-  if (!ready.empty()) {
-    internal::fault::HoldWhileArmed("rdma.server.hold_execute",
-                                    "rdma.server.execute_held");
-  }
   for (ReadyCall& c : ready) {
     dispatcher_->Execute(std::move(c.state), std::move(c.request),
                          std::move(c.done));

@@ -150,8 +150,6 @@ struct RdmaServerStats {
   // "listening on 198.18.0.1:41234 (rxe0)", or why there is no RDMA.
   std::string status;
   uint64_t connections_accepted = 0;
-  // Connections open now (accepted and not yet closed).
-  uint64_t connections_open = 0;
   // Connect requests without a valid one-time token from the handshake.
   uint64_t connects_refused = 0;
   // Connections closed because the peer broke the protocol.
