@@ -32,9 +32,10 @@
 // cost: reading the clock around each call would add two system calls per
 // call in a VM whose clock source traps); their latency rows then read 0.
 //
-// SYSTEM: rdma (rdmarpc, policy rdma), grpc (rdmarpc's gRPC fallback,
-// policy grpc), rdma-inline and grpc-inline (the same with the server's
-// handlers run inline, SetRunHandlersInline, not on its worker pool) or stock
+// SYSTEM: rdma (rdmarpc, policy rdma, the server's handlers on its worker
+// pool: SetRunHandlersInline(false)), grpc (rdmarpc's gRPC fallback, policy
+// grpc, the same), rdma-inline and grpc-inline (the same with handlers run
+// inline, the server's default) or stock
 // (stock gRPC with grpc_cpp_plugin stubs, message limits raised: stock gRPC
 // refuses messages over 4 MB otherwise). Client and servers run in this process
 // over loopback (RDMA: the local device). CPU seconds are this process's
@@ -124,7 +125,7 @@ class Sink final : public rdmarpc_test::E2E::Service {
 class RdmarpcServer {
  public:
   // `inline_handlers`: run the handler on the thread that received the call
-  // (ServerBuilder::SetRunHandlersInline) instead of a worker.
+  // (ServerBuilder::SetRunHandlersInline, the default) instead of a worker.
   explicit RdmarpcServer(bool inline_handlers) {
     auto server = rdmarpc::ServerBuilder()
                       .AddListeningPort("127.0.0.1:0", &port_)

@@ -105,7 +105,7 @@ void CallLog::Refuse(std::vector<Waiter>& waiters, Why why) {
   for (Waiter& w : waiters) w.done(why(w.state->call_id), nullptr);
 }
 
-void CallLog::DropLocked(std::map<Key, Record>::iterator it,
+void CallLog::DropLocked(absl::flat_hash_map<Key, Record>::iterator it,
                          Clock::time_point now, std::vector<Waiter>* answer) {
   Record& r = it->second;
   // A re-send of a call dropped inside its window must not run it again.
@@ -142,19 +142,19 @@ bool CallLog::Admit(const std::shared_ptr<ServerCallState>& state,
   std::unique_lock<std::mutex> lock(mu_);
   auto now = options_.now();
   ExpireLocked(now);
-  auto it = records_.find(KeyOf(*state));
-  if (it == records_.end()) {
+  auto [it, first] = records_.try_emplace(KeyOf(*state));
+  if (first) {
     Status refused = closed_ ? ShuttingDown(state->call_id)
                              : CheckUnknownRepeat(*state, now);
     if (!refused.ok()) {
+      records_.erase(it);
       ++stats_.repeats_refused;
       lock.unlock();
       Dispatcher::Completion take = AnswerAside(std::move(done));
       take(refused, nullptr);
       return false;
     }
-    Record& r = records_[KeyOf(*state)];
-    r.admitted = now;
+    it->second.admitted = now;
     order_.push_back(KeyOf(*state));
     return true;
   }

@@ -39,12 +39,12 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "google/protobuf/message.h"
 #include "rdmarpc/status.h"
 #include "runtime/coarse_clock.h"
@@ -144,8 +144,8 @@ class CallLog {
   // settle. Requires mu_.
   void ExpireLocked(Clock::time_point now);
   // Erases `it`, moving its waiters (if any) to `answer`. Requires mu_.
-  void DropLocked(std::map<Key, Record>::iterator it, Clock::time_point now,
-                  std::vector<Waiter>* answer);
+  void DropLocked(absl::flat_hash_map<Key, Record>::iterator it,
+                  Clock::time_point now, std::vector<Waiter>* answer);
   // Runs every waiter's completion with `why(call id)`; not under mu_.
   template <typename Why>
   static void Refuse(std::vector<Waiter>& waiters, Why why);
@@ -158,7 +158,7 @@ class CallLog {
   const Options options_;
   const uint64_t server_instance_;
   std::mutex mu_;
-  std::map<Key, Record> records_;
+  absl::flat_hash_map<Key, Record> records_;
   std::deque<Key> order_;  // admission order, for expiry
   // Records with waiting repeats, and overdue ones, for Sweep.
   std::vector<Key> waited_on_;

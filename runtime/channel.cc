@@ -65,7 +65,7 @@ std::shared_ptr<Channel> CreateChannel(std::string target,
   // instead.
   return std::shared_ptr<Channel>(
       new Channel(std::move(target), options), [](Channel* channel) {
-        if (!internal::OnCompletionThread()) {
+        if (!internal::OnPollerThread()) {
           delete channel;
           return;
         }
@@ -211,10 +211,15 @@ Status Channel::Call(std::string_view method, ClientContext* ctx,
                      google::protobuf::Message* response) {
   if (internal::OnCompletionThread()) {
     return absl::FailedPreconditionError(
-        "a blocking call on a completion thread (from a handler run "
-        "inline, or a callback with ChannelOptions::run_callbacks_inline) "
-        "would stall every call that thread completes, and may wait for "
-        "its own thread; use CallAsync there");
+        "a blocking call on a completion thread (from a callback with "
+        "ChannelOptions::run_callbacks_inline) would stall every call that "
+        "thread completes, and may wait for its own thread; use CallAsync "
+        "there");
+  }
+  // A handler run inline by the RDMA engine: the engine goes on on
+  // another thread while this one waits.
+  if (internal::PollerHooks* poller = internal::ThreadPoller()) {
+    poller->LeaveBeforeBlocking();
   }
   // On the stack, and the callback holds only its address (no heap
   // allocation): Wait returns after the last time Complete touches it.

@@ -15,10 +15,15 @@ void RunOnCallbackThread(std::function<void()> task) {
 namespace {
 thread_local bool completion_thread = false;
 thread_local std::shared_ptr<CallerPoll> offered_poll;
+thread_local PollerHooks* thread_poller = nullptr;
 }  // namespace
 
-void MarkCompletionThread() { completion_thread = true; }
+void MarkCompletionThread(bool on) { completion_thread = on; }
 bool OnCompletionThread() { return completion_thread; }
+
+PollerHooks* ThreadPoller() { return thread_poller; }
+void SetThreadPoller(PollerHooks* poller) { thread_poller = poller; }
+bool OnPollerThread() { return completion_thread || thread_poller != nullptr; }
 
 CompletionThreadScope::CompletionThreadScope() : was_(completion_thread) {
   completion_thread = true;

@@ -44,9 +44,43 @@ void RunOnCallbackThread(std::function<void()> task);
 inline constexpr std::chrono::milliseconds kCompletionThreadStall{1};
 
 // Marks the calling thread as one that completes calls (the RDMA
-// completion engine): a blocking call made on it would wait for itself.
-void MarkCompletionThread();
+// completion engine while it polls): a blocking call made on it would wait
+// for itself. `on` false clears the mark.
+void MarkCompletionThread(bool on = true);
 bool OnCompletionThread();
+
+// What a poller thread (the RDMA engine) offers the server code it runs.
+// Set on the thread while it holds the poller (SetThreadPoller), null on
+// every other thread.
+//
+//   if (PollerHooks* poller = ThreadPoller()) {
+//     queue_.push_back(...);               // thread-local queue of handlers
+//     poller->RunAfterBatch(&DrainQueue);  // runs once no queue is polled
+//   }
+class PollerHooks {
+ public:
+  // Runs `drain` on this thread once it holds no connection's queue (after
+  // the batch of completions it is handling), so code `drain` runs may
+  // block without stalling that connection's own events (its cancels).
+  // Each function runs once per batch however often it is asked for.
+  virtual void RunAfterBatch(void (*drain)()) = 0;
+  // Code run by a drain that is about to block (a handler making a
+  // blocking call): another thread takes over the poller's connections
+  // now. Returns false where blocking stays unsafe (this thread does not
+  // hold the poller, or holds a queue).
+  virtual bool LeaveBeforeBlocking() = 0;
+  // Whether this thread still holds the poller (a drain's code that held
+  // it long may have lost it to another thread).
+  virtual bool HeldByThisThread() const = 0;
+
+ protected:
+  ~PollerHooks() = default;
+};
+PollerHooks* ThreadPoller();
+void SetThreadPoller(PollerHooks* poller);
+// Whether the thread serves connections (polls them, or runs handlers
+// between its polls): slow work (pinning memory) belongs elsewhere.
+bool OnPollerThread();
 // Marks the calling thread so while it polls for its own call.
 class CompletionThreadScope {
  public:

@@ -93,20 +93,32 @@ class DiagnosticsService final : public Service {
 }  // namespace
 
 namespace internal {
-namespace {
-
-bool AnyBlocking(
-    const absl::flat_hash_map<std::string, ServerMethod>& methods) {
-  for (const auto& [path, m] : methods) {
-    if (m.blocking) return true;
-  }
-  return false;
-}
-
-}  // namespace
 
 class ServerDispatcher final : public Dispatcher {
  public:
+  // A handler queued on a poller thread until its batch is handled.
+  struct DeferredHandler {
+    ServerDispatcher* dispatcher;
+    std::shared_ptr<ServerCallState> state;
+    std::shared_ptr<google::protobuf::Message> request;
+    Completion done;
+  };
+  // Per thread: only the thread holding a poller queues and runs them.
+  static std::vector<DeferredHandler>& DeferredHandlers() {
+    thread_local std::vector<DeferredHandler> queued;
+    return queued;
+  }
+  static void RunDeferredHandlers() {
+    std::vector<DeferredHandler>& queued = DeferredHandlers();
+    // Handlers run by index: one may (in a test) queue another.
+    for (size_t i = 0; i < queued.size(); ++i) {
+      DeferredHandler h = std::move(queued[i]);
+      h.dispatcher->Run(std::move(h.state), std::move(h.request),
+                        std::move(h.done), true);
+    }
+    queued.clear();
+  }
+
   ServerDispatcher(absl::flat_hash_map<std::string, ServerMethod> methods,
                    int workers, uint64_t max_request_tensor_bytes,
                    uint32_t max_calls_per_connection, bool run_inline,
@@ -122,9 +134,8 @@ class ServerDispatcher final : public Dispatcher {
                                   }},
              RandomNonZero()),
         // Inline, the pool answers repeats from the log and runs the
-        // methods marked blocking.
-        pool_(run_inline && !AnyBlocking(methods_) ? 1 : workers,
-              "rdmarpc-worker") {
+        // methods marked blocking or moved there.
+        pool_(workers, "rdmarpc-worker") {
     sweeper_ = std::thread([this] { SweepLog(); });
     pthread_setname_np(sweeper_.native_handle(), "rdmarpc-log");
   }
@@ -181,71 +192,101 @@ class ServerDispatcher final : public Dispatcher {
       if (state->logged) log_.Finished(*state, refused, nullptr);
       return done(std::move(refused), nullptr);
     }
-    const bool method_blocking = state->method().blocking;
-    auto task = [this, state = std::move(state), request = std::move(request),
-                 done = std::move(done)] {
-      auto finish = [&](Status s,
-                        std::unique_ptr<google::protobuf::Message> response) {
-        if (state->connection_calls != nullptr) {
-          state->connection_calls->fetch_sub(1, std::memory_order_relaxed);
-        }
-        if (state->logged) log_.Finished(*state, s, response.get());
-        done(std::move(s), std::move(response));
-      };
-      // A call whose caller gave up does not run: its deadline may pass,
-      // or its cancel be lost with a broken connection, while it queues.
-      if (state->deadline &&
-          std::chrono::system_clock::now() >= *state->deadline) {
-        not_started_past_deadline_.fetch_add(1, std::memory_order_relaxed);
-        return finish(absl::DeadlineExceededError(
-                          "deadline passed before the handler started"),
-                      nullptr);
-      }
-      if (state->cancelled.load()) {
-        not_started_cancelled_.fetch_add(1, std::memory_order_relaxed);
-        return finish(
-            absl::CancelledError("call cancelled before its handler ran"),
-            nullptr);
-      }
-      started_.fetch_add(1, std::memory_order_relaxed);
-      const MethodDescriptor& m = state->method().descriptor;
-      std::unique_ptr<google::protobuf::Message> response(
-          m.response_prototype->New());
-      ServerContext ctx(state.get());
-      Status status;
-      const internal::SpinClock& clock = internal::SpinClock::Get();
-      const bool on_receiver = run_inline_ && !state->method().blocking;
-      const uint64_t began = on_receiver ? clock.Now() : 0;
-      size_t admitted = 0;  // interceptors whose BeforeHandler said OK
-      for (; admitted < interceptors_.size(); ++admitted) {
-        status = interceptors_[admitted]->BeforeHandler(&ctx, *request);
-        if (!status.ok()) break;
-      }
-      if (status.ok()) {
-        try {
-          status = m.handler(&ctx, *request, response.get());
-        } catch (const std::exception& e) {
-          status = absl::InternalError(
-              absl::StrCat("handler of ", m.path, " threw: ", e.what()));
-        } catch (...) {
-          status = absl::InternalError(
-              absl::StrCat("handler of ", m.path, " threw a non-exception"));
-        }
-      }
-      for (size_t i = admitted; i-- > 0;) {
-        interceptors_[i]->AfterHandler(&ctx, &status);
-      }
-      if (on_receiver &&
-          clock.Now() - began >= clock.Ticks(kCompletionThreadStall)) {
-        inline_stalls_.fetch_add(1, std::memory_order_relaxed);
-      }
-      finish(std::move(status), std::move(response));
-    };
-    if (run_inline_ && !method_blocking) {
-      task();
-    } else {
-      pool_.Post(std::move(task));
+    const ServerMethod& method = state->method();
+    PollerHooks* poller = ThreadPoller();
+    // An RDMA call dispatched off the engine (by the registration thread,
+    // after landing a large request) goes to the workers: that thread
+    // serves every registration of the process.
+    const bool on_receiver =
+        run_inline_ && !method.blocking &&
+        !method.moved_to_workers.value.load(std::memory_order_relaxed) &&
+        (poller != nullptr || state->transport() != TransportKind::kRdma);
+    if (!on_receiver) {
+      pool_.Post([this, state = std::move(state), request = std::move(request),
+                  done = std::move(done)]() mutable {
+        Run(std::move(state), std::move(request), std::move(done), false);
+      });
+      return;
     }
+    if (poller != nullptr) {
+      // After the batch, when the engine holds no connection's queue: a
+      // handler that blocks then loses the engine, not its own cancels.
+      DeferredHandlers().push_back(
+          {this, std::move(state), std::move(request), std::move(done)});
+      poller->RunAfterBatch(&ServerDispatcher::RunDeferredHandlers);
+      return;
+    }
+    Run(std::move(state), std::move(request), std::move(done), true);
+  }
+
+  void Run(std::shared_ptr<ServerCallState> state,
+           std::shared_ptr<google::protobuf::Message> request, Completion done,
+           bool on_receiver) {
+    auto finish = [&](Status s,
+                      std::unique_ptr<google::protobuf::Message> response) {
+      if (state->connection_calls != nullptr) {
+        state->connection_calls->fetch_sub(1, std::memory_order_relaxed);
+      }
+      if (state->logged) log_.Finished(*state, s, response.get());
+      done(std::move(s), std::move(response));
+    };
+    // A call whose caller gave up does not run: its deadline may pass,
+    // or its cancel be lost with a broken connection, while it queues.
+    if (state->deadline &&
+        std::chrono::system_clock::now() >= *state->deadline) {
+      not_started_past_deadline_.fetch_add(1, std::memory_order_relaxed);
+      return finish(absl::DeadlineExceededError(
+                        "deadline passed before the handler started"),
+                    nullptr);
+    }
+    if (state->cancelled.load()) {
+      not_started_cancelled_.fetch_add(1, std::memory_order_relaxed);
+      return finish(
+          absl::CancelledError("call cancelled before its handler ran"),
+          nullptr);
+    }
+    started_.fetch_add(1, std::memory_order_relaxed);
+    const ServerMethod& method = state->method();
+    const MethodDescriptor& m = method.descriptor;
+    std::unique_ptr<google::protobuf::Message> response(
+        m.response_prototype->New());
+    ServerContext ctx(state.get());
+    Status status;
+    const internal::SpinClock& clock = internal::SpinClock::Get();
+    const uint64_t began = on_receiver ? clock.Now() : 0;
+    PollerHooks* poller = on_receiver ? ThreadPoller() : nullptr;
+    const bool held_poller = poller != nullptr && poller->HeldByThisThread();
+    size_t admitted = 0;  // interceptors whose BeforeHandler said OK
+    for (; admitted < interceptors_.size(); ++admitted) {
+      status = interceptors_[admitted]->BeforeHandler(&ctx, *request);
+      if (!status.ok()) break;
+    }
+    if (status.ok()) {
+      try {
+        status = m.handler(&ctx, *request, response.get());
+      } catch (const std::exception& e) {
+        status = absl::InternalError(
+            absl::StrCat("handler of ", m.path, " threw: ", e.what()));
+      } catch (...) {
+        status = absl::InternalError(
+            absl::StrCat("handler of ", m.path, " threw a non-exception"));
+      }
+    }
+    for (size_t i = admitted; i-- > 0;) {
+      interceptors_[i]->AfterHandler(&ctx, &status);
+    }
+    if (on_receiver) {
+      const bool stalled =
+          clock.Now() - began >= clock.Ticks(kCompletionThreadStall);
+      if (stalled) inline_stalls_.fetch_add(1, std::memory_order_relaxed);
+      // It held the receiving thread, or blocked and lost the engine: its
+      // later calls run on the workers.
+      if ((stalled || (held_poller && !poller->HeldByThisThread())) &&
+          !method.moved_to_workers.value.exchange(true)) {
+        moved_to_workers_.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+    finish(std::move(status), std::move(response));
   }
 
   void Delivered(const ServerCallState& state) override {
@@ -262,14 +303,16 @@ class ServerDispatcher final : public Dispatcher {
   uint64_t server_instance() const override { return log_.server_instance(); }
   CallLog::Stats call_log_stats() { return log_.stats(); }
   HandlerStats handler_stats() const {
-    return {.started = started_.load(std::memory_order_relaxed),
-            .not_started_cancelled =
-                not_started_cancelled_.load(std::memory_order_relaxed),
-            .not_started_past_deadline =
-                not_started_past_deadline_.load(std::memory_order_relaxed),
-            .inline_stalls = inline_stalls_.load(std::memory_order_relaxed),
-            .over_connection_limit =
-                over_connection_limit_.load(std::memory_order_relaxed)};
+    return {
+        .started = started_.load(std::memory_order_relaxed),
+        .not_started_cancelled =
+            not_started_cancelled_.load(std::memory_order_relaxed),
+        .not_started_past_deadline =
+            not_started_past_deadline_.load(std::memory_order_relaxed),
+        .inline_stalls = inline_stalls_.load(std::memory_order_relaxed),
+        .moved_to_workers = moved_to_workers_.load(std::memory_order_relaxed),
+        .over_connection_limit =
+            over_connection_limit_.load(std::memory_order_relaxed)};
   }
 
  private:
@@ -302,6 +345,7 @@ class ServerDispatcher final : public Dispatcher {
   std::atomic<uint64_t> not_started_cancelled_{0};
   std::atomic<uint64_t> not_started_past_deadline_{0};
   std::atomic<uint64_t> inline_stalls_{0};
+  std::atomic<uint64_t> moved_to_workers_{0};
   std::atomic<uint64_t> over_connection_limit_{0};
   CallLog log_;
   ThreadPool pool_;
@@ -453,7 +497,8 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
           it != method_placement_.end()) {
         placement.device = it->second;
       }
-      if (!methods.emplace(m.path, internal::ServerMethod{m, placement})
+      if (!methods
+               .emplace(m.path, internal::ServerMethod{m, placement, false, {}})
                .second) {
         return absl::InvalidArgumentError(absl::StrCat(
             "ServerBuilder: method ", m.path, " registered twice"));

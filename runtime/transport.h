@@ -142,6 +142,16 @@ struct ServerMethod {
   // Its handlers may block: they run on the worker pool even when the
   // server runs handlers inline (ServerBuilder::SetMethodBlocking).
   bool blocking = false;
+  // Set once one of its handlers run inline held the receiving thread
+  // (HandlerStats::inline_stalls) or blocked and lost the RDMA engine:
+  // from then on they run on the worker pool too.
+  struct Flag {
+    Flag() = default;
+    // Copied only while the server is being built (the method table).
+    Flag(const Flag& other) : value(other.value.load()) {}
+    std::atomic<bool> value{false};
+  };
+  mutable Flag moved_to_workers;
 };
 
 // The connection a logged call's response goes out on, as the call log

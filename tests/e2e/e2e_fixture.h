@@ -108,13 +108,15 @@ class E2EService final : public E2E::Service {
   std::atomic<int> slow_saw_cancel{0};
 };
 
-// Serves `service` on a free local port, with 8 workers.
+// Serves `service` on a free local port, with 8 workers for Slow (which
+// blocks, so it is marked so); the other methods run inline.
 inline rdmarpc::StatusOr<std::unique_ptr<rdmarpc::Server>> StartE2EServer(
     E2EService* service, int* port) {
   return rdmarpc::ServerBuilder()
       .AddListeningPort("127.0.0.1:0", port)
       .RegisterService(service)
       .SetNumWorkers(8)
+      .SetMethodBlocking("/rdmarpc_test.E2E/Slow")
       .BuildAndStart();
 }
 

@@ -139,7 +139,8 @@ TEST_P(E2ETest, DeadlineGivesDeadlineExceeded) {
 }
 
 TEST_P(E2ETest, HandlerIsNotStartedPastItsDeadline) {
-  // Every worker busy: a call with a short deadline queues behind them.
+  // Every worker busy: a call with a short deadline queues behind them
+  // (Slow is marked blocking, so it runs on the workers).
   constexpr int kWorkers = 8;  // the fixture's SetNumWorkers
   std::vector<std::unique_ptr<ClientContext>> contexts;
   std::vector<EchoRequest> requests(kWorkers);
@@ -157,9 +158,9 @@ TEST_P(E2ETest, HandlerIsNotStartedPastItsDeadline) {
   ASSERT_EQ(service_.slow_started.load(), kWorkers);
   ClientContext ctx;
   ctx.set_timeout(std::chrono::milliseconds(100));
-  EchoRequest req;
+  EchoRequest req;  // no sleep: it would end at once if it ran
   EchoResponse resp;
-  EXPECT_EQ(stub_->Echo(&ctx, req, &resp).code(),
+  EXPECT_EQ(stub_->Slow(&ctx, req, &resp).code(),
             absl::StatusCode::kDeadlineExceeded);
   for (auto& d : done) EXPECT_TRUE(d.get_future().get().ok());
   // The queued call reaches a worker once the slow ones end: it must not
@@ -172,7 +173,7 @@ TEST_P(E2ETest, HandlerIsNotStartedPastItsDeadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_EQ(skipped(), 1u);
-  EXPECT_EQ(service_.echo_calls.load(), 0);
+  EXPECT_EQ(service_.slow_started.load(), kWorkers);
   EXPECT_EQ(server_->handler_stats().started, uint64_t{kWorkers});
 }
 
@@ -244,6 +245,109 @@ TEST_P(E2ETest, InlineServerRunsMethodsMarkedBlockingOnItsWorkers) {
     rdmarpc::HandlerStats stats = (*server)->handler_stats();
     EXPECT_EQ(stats.started, 1u);
     EXPECT_EQ(stats.inline_stalls, marked ? 0u : 1u) << "marked: " << marked;
+    EXPECT_EQ(stats.moved_to_workers, marked ? 0u : 1u) << "marked: " << marked;
+    // Unmarked, the stall moved the method to the workers: no second one.
+    ClientContext again;
+    ASSERT_TRUE(stub->Slow(&again, req, &resp).ok());
+    stats = (*server)->handler_stats();
+    EXPECT_EQ(stats.started, 2u);
+    EXPECT_EQ(stats.inline_stalls, marked ? 0u : 1u) << "marked: " << marked;
+  }
+}
+
+// Serves `service` with the builder's defaults (handlers inline) and makes
+// a stub on a channel with `policy` to it.
+void ServeWithDefaults(rdmarpc::Service* service,
+                       rdmarpc::TransportPolicy policy,
+                       std::unique_ptr<rdmarpc::Server>* server,
+                       std::unique_ptr<E2E::Stub>* stub) {
+  int port = 0;
+  auto started = rdmarpc::ServerBuilder()
+                     .AddListeningPort("127.0.0.1:0", &port)
+                     .RegisterService(service)
+                     .BuildAndStart();
+  ASSERT_TRUE(started.ok()) << started.status();
+  *server = std::move(*started);
+  *stub = E2E::NewStub(rdmarpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(port), PatientChannelOptions(policy)));
+}
+
+// Handlers run inline by default. One that blocks until its own call is
+// cancelled still sees the cancel: over RDMA it loses the engine (which
+// delivers the cancel) to another thread, and its method moves to the
+// workers.
+TEST_P(E2ETest, InlineHandlerWaitingForItsCancelSeesIt) {
+  E2EService service;
+  std::unique_ptr<rdmarpc::Server> server;
+  std::unique_ptr<E2E::Stub> stub;
+  ASSERT_NO_FATAL_FAILURE(
+      ServeWithDefaults(&service, GetParam().policy, &server, &stub));
+  EchoRequest req;
+  EchoResponse resp;
+  ClientContext warm;  // the connection is up before the slow call
+  ASSERT_TRUE(stub->Echo(&warm, req, &resp).ok());
+  EXPECT_EQ(warm.stats().transport, GetParam().expected);
+
+  ClientContext ctx;
+  req.set_sleep_ms(120000);
+  std::thread canceller([&] {
+    for (int i = 0; i < 6000 && service.slow_started.load() == 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ctx.TryCancel();
+  });
+  rdmarpc::Status status = stub->Slow(&ctx, req, &resp);
+  canceller.join();
+  EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
+  for (int i = 0; i < 6000 && service.slow_saw_cancel.load() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(service.slow_saw_cancel.load(), 1);
+  EXPECT_EQ(server->handler_stats().moved_to_workers, 1u);
+  // The server goes on serving calls inline.
+  ClientContext after;
+  req.set_sleep_ms(0);
+  EXPECT_TRUE(stub->Echo(&after, req, &resp).ok());
+}
+
+// A handler run inline may make a blocking call (here to the fixture's
+// server): over RDMA the engine goes on on another thread meanwhile.
+TEST_P(E2ETest, InlineHandlerMayMakeABlockingCall) {
+  class Forwarding final : public E2E::Service {
+   public:
+    explicit Forwarding(E2E::Stub* next) : next_(next) {}
+    rdmarpc::Status Echo(rdmarpc::ServerContext*, const EchoRequest& req,
+                         EchoResponse* resp) override {
+      ClientContext ctx;
+      rdmarpc::Status s = next_->Echo(&ctx, req, resp);
+      resp->set_note(resp->note() + "|via " +
+                     rdmarpc::TransportName(ctx.stats().transport));
+      return s;
+    }
+
+   private:
+    E2E::Stub* next_;
+  };
+  Forwarding forwarding(stub_.get());
+  std::unique_ptr<rdmarpc::Server> server;
+  std::unique_ptr<E2E::Stub> stub;
+  ASSERT_NO_FATAL_FAILURE(
+      ServeWithDefaults(&forwarding, GetParam().policy, &server, &stub));
+  for (int i = 0; i < 3; ++i) {
+    ClientContext ctx;
+    EchoRequest req;
+    req.set_note("n" + std::to_string(i));
+    EchoResponse resp;
+    rdmarpc::Status s = stub->Echo(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(ctx.stats().transport, GetParam().expected);
+    EXPECT_EQ(resp.note(),
+              req.note() + "|via " +
+                  std::string(rdmarpc::TransportName(GetParam().expected)));
+  }
+  // Over RDMA the first call handed the engine on, which moved the method.
+  if (GetParam().expected == rdmarpc::TransportKind::kRdma) {
+    EXPECT_EQ(server->handler_stats().moved_to_workers, 1u);
   }
 }
 
@@ -663,6 +767,7 @@ TEST_P(E2ETest, CallsOverTheConnectionLimitFailNamingIt) {
                     .AddListeningPort("127.0.0.1:0", &port)
                     .RegisterService(&service)
                     .SetNumWorkers(8)
+                    .SetMethodBlocking("/rdmarpc_test.E2E/Slow")
                     .SetMaxCallsPerConnection(2)
                     .BuildAndStart();
   ASSERT_TRUE(server.ok()) << server.status();

@@ -6,6 +6,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <utility>
 
@@ -27,6 +28,14 @@ constexpr uint64_t kDeviceTag = 1;
 constexpr std::chrono::milliseconds kAsyncEventPeriod(10);
 // A pass over the connections longer than this held their calls still.
 constexpr std::chrono::milliseconds kLongPass(100);
+// How often the watchdog looks at a sleeping engine (a handler cannot hold
+// it then, but the engine may wake and run one before the next look).
+constexpr std::chrono::milliseconds kIdleWatchPeriod(100);
+// Threads the engine may have, most of them stuck in handlers that blocked.
+constexpr int kMaxEngineThreads = 16;
+
+// The role generation this thread holds; 0: none.
+thread_local uint64_t held_generation = 0;
 
 }  // namespace
 
@@ -49,9 +58,10 @@ Engine::Engine()
         "starting the RDMA completion engine (epoll, eventfd)", errno);
     return;
   }
-  thread_ = std::thread([this] { Loop(); });
-  pthread_setname_np(thread_.native_handle(), "rdmarpc-engine");
-  thread_.detach();
+  threads_ = 1;
+  std::thread thread([this] { ThreadMain(/*holds_role=*/true); });
+  pthread_setname_np(thread.native_handle(), "rdmarpc-engine");
+  thread.detach();
 }
 
 Status Engine::Add(std::shared_ptr<Connection> conn) {
@@ -182,28 +192,157 @@ void Engine::ReleaseDevicesLocked() {
   }
 }
 
+void Engine::ThreadMain(bool holds_role) {
+  if (holds_role) {
+    held_generation = 1;
+    holder_generation_ = 1;
+    role_.store(uint64_t{1} << 2 | kPolling, std::memory_order_release);
+  }
+  while (true) {
+    if (!holds_role) TakeRole();
+    holds_role = false;
+    internal::SetThreadPoller(this);
+    internal::MarkCompletionThread(true);
+    Loop();
+    internal::MarkCompletionThread(false);
+    internal::SetThreadPoller(nullptr);
+    held_generation = 0;
+  }
+}
+
+void Engine::TakeRole() {
+  std::unique_lock<std::mutex> lock(standby_mu_);
+  ++standby_;
+  standby_cv_.wait(lock, [this] { return role_free_; });
+  --standby_;
+  role_free_ = false;
+  // The last holder gave the role up and touches no loop state any more.
+  held_generation = (role_.load(std::memory_order_acquire) >> 2) + 1;
+  holder_generation_ = held_generation;
+  role_.store(held_generation << 2 | kPolling, std::memory_order_release);
+}
+
+void Engine::PassRole() {
+  handoffs_.fetch_add(1, std::memory_order_relaxed);
+  bool start = false;
+  {
+    std::lock_guard<std::mutex> lock(standby_mu_);
+    role_free_ = true;
+    // At the limit the role waits for a thread whose handler returns.
+    if (standby_ == 0 && threads_ < kMaxEngineThreads) {
+      ++threads_;
+      start = true;
+    }
+  }
+  if (!start) {
+    standby_cv_.notify_one();
+    return;
+  }
+  std::thread thread([this] { ThreadMain(/*holds_role=*/false); });
+  pthread_setname_np(thread.native_handle(), "rdmarpc-engine");
+  thread.detach();
+}
+
+void Engine::RunAfterBatch(void (*drain)()) {
+  for (int i = 0; i < drain_count_; ++i) {
+    if (drains_[i] == drain) return;
+  }
+  if (drain_count_ == kMaxDrains) {
+    drain();  // more kinds of work than the runtime has; never seen
+    return;
+  }
+  drains_[drain_count_++] = drain;
+  if (!watching_.load(std::memory_order_relaxed) && !watching_.exchange(true)) {
+    std::thread watch([this] { Watch(); });
+    pthread_setname_np(watch.native_handle(), "rdmarpc-watch");
+    watch.detach();
+  }
+}
+
+bool Engine::Drain() {
+  if (drain_count_ == 0) return true;
+  // Taken before the role can move: the next holder queues its own.
+  void (*drains[kMaxDrains])();
+  const int count = drain_count_;
+  std::copy_n(drains_, count, drains);
+  drain_count_ = 0;
+  const uint64_t held = holder_generation_ << 2;
+  drain_began_.store(internal::SpinClock::Get().Now(),
+                     std::memory_order_relaxed);
+  role_.store(held | kDraining, std::memory_order_release);
+  // No queue is held now: what the drains run may block once it has
+  // handed the role on (LeaveBeforeBlocking).
+  internal::MarkCompletionThread(false);
+  for (int i = 0; i < count; ++i) drains[i]();
+  uint64_t expected = held | kDraining;
+  if (role_.compare_exchange_strong(expected, held | kPolling,
+                                    std::memory_order_acq_rel)) {
+    internal::MarkCompletionThread(true);
+    return true;
+  }
+  return false;  // another thread holds the role, and the loop state
+}
+
+bool Engine::LeaveBeforeBlocking() {
+  if (held_generation == 0 || internal::OnCompletionThread()) return false;
+  const uint64_t held = held_generation << 2;
+  uint64_t expected = held | kDraining;
+  if (role_.compare_exchange_strong(expected, held | kGivenUp,
+                                    std::memory_order_acq_rel)) {
+    PassRole();
+  }
+  // Otherwise the watchdog took it already.
+  return true;
+}
+
+bool Engine::HeldByThisThread() const {
+  if (held_generation == 0) return false;
+  uint64_t role = role_.load(std::memory_order_acquire);
+  return role >> 2 == held_generation && (role & 3) != kGivenUp;
+}
+
+void Engine::Watch() {
+  const internal::SpinClock& clock = internal::SpinClock::Get();
+  const uint64_t hand_off_after = clock.Ticks(kHandOffAfter);
+  while (true) {
+    std::this_thread::sleep_for(pass_began_.load(std::memory_order_relaxed) == 0
+                                    ? kIdleWatchPeriod
+                                    : kHandOffAfter);
+    uint64_t role = role_.load(std::memory_order_acquire);
+    if ((role & 3) != kDraining ||
+        clock.Now() - drain_began_.load(std::memory_order_relaxed) <
+            hand_off_after) {
+      continue;
+    }
+    // A handler holds the engine: its connections go on without it.
+    if (role_.compare_exchange_strong(role, (role & ~uint64_t{3}) | kGivenUp,
+                                      std::memory_order_acq_rel)) {
+      PassRole();
+    }
+  }
+}
+
 void Engine::Loop() {
-  internal::MarkCompletionThread();
   const internal::SpinClock& clock = internal::SpinClock::Get();
   const uint64_t event_period = clock.Ticks(kAsyncEventPeriod);
   const uint64_t long_pass = clock.Ticks(kLongPass);
-  std::vector<std::shared_ptr<Connection>> conns;
-  uint64_t last_progress = clock.Now();
-  uint64_t last_events = last_progress;
-  uint64_t pass_began = last_progress;
-  pass_began_.store(pass_began, std::memory_order_relaxed);
+  last_progress_ = clock.Now();
+  loop_pass_began_ = last_progress_;
+  if (last_events_ == 0) last_events_ = last_progress_;
+  pass_began_.store(loop_pass_began_, std::memory_order_relaxed);
   while (true) {
     if (added_pending_.exchange(false, std::memory_order_acquire)) {
       std::lock_guard<std::mutex> lock(mu_);
-      for (auto& c : added_) conns.push_back(std::move(c));
+      for (auto& c : added_) conns_.push_back(std::move(c));
       added_.clear();
     }
     bool progress = false;
-    for (size_t i = 0; i < conns.size();) {
-      Connection* c = conns[i].get();
+    for (size_t i = 0; i < conns_.size();) {
+      Connection* c = conns_[i].get();
       // kBusy: a caller polls it for its own call; the engine must not
       // sleep on a queue it has not looked at since arming it.
       progress |= c->TryPoll() != Connection::PollResult::kIdle;
+      if (!Drain()) return;
       if (c->closed()) {
         {
           // First: destroying the last id on a removed device closes the
@@ -215,53 +354,56 @@ void Engine::Loop() {
         (void)epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, c->completion_fd(),
                         nullptr);  // an error: the fd is gone already
         c->FinishClose();
-        conns[i] = std::move(conns.back());
-        conns.pop_back();
+        conns_[i] = std::move(conns_.back());
+        conns_.pop_back();
+        if (!Drain()) return;
         continue;
       }
       ++i;
     }
     uint64_t now = clock.Now();
-    if (now - pass_began >= long_pass) {
+    if (now - loop_pass_began_ >= long_pass) {
       long_pass_ended_.store(
           internal::CoarseSteadyNow().time_since_epoch().count(),
           std::memory_order_relaxed);
     }
-    pass_began = now;
+    loop_pass_began_ = now;
     pass_began_.store(now, std::memory_order_relaxed);
     // Busy or not, async events (a port going down) must not wait long.
-    if (now - last_events >= event_period) {
-      last_events = now;
+    if (now - last_events_ >= event_period) {
+      last_events_ = now;
       HandleEpoll(0);
     }
     if (progress) {
-      last_progress = now;
+      last_progress_ = now;
       continue;
     }
     // Spinning on after the last completion catches the next request or
     // response without a sleep and a wake-up through the kernel.
-    if (now - last_progress < internal::SpinTicks()) {
+    if (now - last_progress_ < internal::SpinTicks()) {
       internal::CpuRelax();
       continue;
     }
     // Quiet: complete the frames left unsignaled whose `sent` waits (their
     // flush write's completion comes while spinning), then arm every
     // queue, catch what raced with arming, and sleep.
-    for (auto& c : conns) progress |= c->FlushUnsignaled();
+    for (auto& c : conns_) progress |= c->FlushUnsignaled();
     if (progress) {
-      last_progress = now;
+      last_progress_ = now;
       continue;
     }
-    for (auto& c : conns) c->Arm();
-    for (auto& c : conns) {
-      progress |= c->TryPoll() != Connection::PollResult::kIdle;
+    for (auto& c : conns_) c->Arm();
+    for (size_t i = 0; i < conns_.size(); ++i) {
+      progress |= conns_[i]->TryPoll() != Connection::PollResult::kIdle;
+      if (!Drain()) return;
     }
     if (progress) continue;
+    if (!Drain()) return;
     pass_began_.store(0, std::memory_order_relaxed);
     HandleEpoll(-1);
-    last_progress = clock.Now();
-    pass_began = last_progress;
-    pass_began_.store(pass_began, std::memory_order_relaxed);
+    last_progress_ = clock.Now();
+    loop_pass_began_ = last_progress_;
+    pass_began_.store(loop_pass_began_, std::memory_order_relaxed);
   }
 }
 

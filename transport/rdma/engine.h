@@ -22,6 +22,17 @@
 // Connections leave the engine when they close: the engine runs
 // Connection::FinishClose on its thread and drops its reference.
 //
+// Server handlers that run on the engine (the default) run after the batch
+// of completions that delivered them, with no connection's queue held
+// (internal::PollerHooks::RunAfterBatch). The engine is a role, not a
+// thread: a handler that blocks does not stall the process's connections
+// for long. One that is about to block in a call of ours (Channel::Call)
+// hands the role to a standby thread at once (LeaveBeforeBlocking); one
+// that holds it kHandOffAfter or more (a sleep, a lock, a loop waiting for
+// its own cancel) loses it to the watchdog thread (`rdmarpc-watch`), which
+// hands it on. The thread that lost the role finishes its handlers and
+// then waits as a standby.
+//
 // The engine also reads each device's asynchronous events: a QP fatal
 // event closes that connection, a port error the connections on that port,
 // a device fatal event every connection on the device, each with the event
@@ -33,6 +44,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -40,14 +52,19 @@
 #include <vector>
 
 #include "rdmarpc/status.h"
+#include "runtime/completion.h"
 #include "transport/rdma/verbs.h"
 
 namespace rdmarpc::rdma {
 
 class Connection;
 
-class Engine {
+class Engine final : public internal::PollerHooks {
  public:
+  // A handler run by the engine that holds it this long loses it to
+  // another thread.
+  static constexpr std::chrono::milliseconds kHandOffAfter{10};
+
   // The process-wide engine, started on first use and never destroyed
   // (connections may close during static destruction).
   static Engine& Get();
@@ -71,9 +88,33 @@ class Engine {
   std::chrono::steady_clock::time_point NotStillBefore(
       std::chrono::steady_clock::time_point now) const;
 
+  // Times the role went to another thread (a handler about to block, or
+  // held it too long).
+  uint64_t handoffs() const {
+    return handoffs_.load(std::memory_order_relaxed);
+  }
+
+  // internal::PollerHooks, on the thread that holds the role.
+  void RunAfterBatch(void (*drain)()) override;
+  bool LeaveBeforeBlocking() override;
+  bool HeldByThisThread() const override;
+
  private:
+  // The role word: generation << 2 | phase. A generation per holding.
+  enum Phase : uint64_t { kPolling = 0, kDraining = 1, kGivenUp = 2 };
+
   Engine();
+  // A thread of the engine: holds the role when given it, else waits.
+  void ThreadMain(bool holds_role);
+  // Polls until this thread loses the role.
   void Loop();
+  // Runs what RunAfterBatch queued; false if the role went to another
+  // thread meanwhile (the caller then touches no loop state).
+  bool Drain();
+  // Gives the free role to a standby thread, starting one if none waits.
+  void PassRole();
+  void TakeRole();
+  void Watch();
   void ReadAsyncEvents(ibv_context* device);
   // Waits up to `timeout_ms` (-1: forever) for epoll and handles what it
   // reports: wake-ups, completion channels, device events.
@@ -92,7 +133,28 @@ class Engine {
   // Every connection the engine polls, for the async events.
   std::vector<std::weak_ptr<Connection>> live_;
   std::map<ibv_context*, bool> watched_devices_;  // value: fd still in epoll
-  std::thread thread_;
+  // Loop state: touched only by the thread holding the role (handed over
+  // through standby_mu_ and role_).
+  std::vector<std::shared_ptr<Connection>> conns_;
+  uint64_t last_progress_ = 0;
+  uint64_t last_events_ = 0;
+  uint64_t loop_pass_began_ = 0;
+  uint64_t holder_generation_ = 0;
+  // What RunAfterBatch queued (distinct functions; the runtime has one).
+  static constexpr int kMaxDrains = 4;
+  void (*drains_[kMaxDrains])() = {};
+  int drain_count_ = 0;
+
+  std::atomic<uint64_t> role_{0};
+  // SpinClock time the current drain began.
+  std::atomic<uint64_t> drain_began_{0};
+  std::atomic<uint64_t> handoffs_{0};
+  std::atomic<bool> watching_{false};
+  std::mutex standby_mu_;
+  std::condition_variable standby_cv_;
+  bool role_free_ = false;  // guarded by standby_mu_
+  int standby_ = 0;         // threads waiting for the role; standby_mu_
+  int threads_ = 0;         // threads of the engine; standby_mu_
   // SpinClock time the current pass over the connections began; 0 while
   // the engine sleeps.
   std::atomic<uint64_t> pass_began_{0};

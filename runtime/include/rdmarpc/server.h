@@ -180,9 +180,12 @@ struct HandlerStats {
   uint64_t not_started_past_deadline = 0;
   // Handlers run inline (ServerBuilder::SetRunHandlersInline) that held
   // the receiving thread for 1 ms or more. Each one stalled every
-  // connection that thread serves; a server that counts them should run
-  // its handlers on the worker pool.
+  // connection that thread serves: mark their methods with
+  // ServerBuilder::SetMethodBlocking.
   uint64_t inline_stalls = 0;
+  // Methods whose handlers ran inline until one stalled its thread or
+  // blocked, and that run on the worker pool since.
+  uint64_t moved_to_workers = 0;
   // Calls refused with RESOURCE_EXHAUSTED because their connection had
   // ServerBuilder::SetMaxCallsPerConnection calls running.
   uint64_t over_connection_limit = 0;
@@ -308,22 +311,29 @@ class ServerBuilder {
   // over gRPC instead, with the reason in its CallStats.
   ServerBuilder& SetRdmaLandingPoolBytes(uint64_t bytes);
 
-  // Runs handlers on the thread that received the call (the RDMA
-  // completion engine or a gRPC thread) instead of the worker pool: no
-  // hand-off, so less latency, but every connection that thread serves
-  // waits while a handler runs. Only for handlers that never block (no
-  // I/O, no locks held by slow code, no waiting on other calls) and finish
-  // in microseconds; HandlerStats::inline_stalls counts those that took
-  // 1 ms or more. A blocking Channel::Call made by such a handler on the
-  // RDMA engine fails with FAILED_PRECONDITION (use CallAsync).
+  // Where handlers run. By default on the thread that received the call,
+  // with no hand-off (the lowest latency): over RDMA, the completion
+  // engine, after the batch of completions that delivered the call; over
+  // gRPC, the gRPC thread that read it. That suits handlers that finish in
+  // microseconds and do not block (no I/O, no sleeping, no waiting on
+  // locks held by slow code or on other calls). Mark a method that may
+  // block with SetMethodBlocking, or turn inline handlers off for the
+  // whole server (SetRunHandlersInline(false)): those handlers run on the
+  // worker pool (SetNumWorkers).
+  //
+  // A handler that blocks anyway is contained, not fatal: a blocking
+  // Channel::Call made in it hands the RDMA engine to another thread first;
+  // one that holds the engine 10 ms loses it to another thread; and a
+  // method whose handler held its thread 1 ms or more
+  // (HandlerStats::inline_stalls) or lost the engine runs on the worker
+  // pool from then on (HandlerStats::moved_to_workers). Until then the
+  // other connections of that thread wait.
   ServerBuilder& SetRunHandlersInline(bool run_inline);
   // Marks one method ("/package.Service/Method") as one whose handler may
-  // block: with SetRunHandlersInline its handlers still run on the worker
-  // pool, so the others can run inline. Unknown methods fail BuildAndStart
-  // with INVALID_ARGUMENT.
+  // block: its handlers run on the worker pool. Unknown methods fail
+  // BuildAndStart with INVALID_ARGUMENT.
   //
-  //   builder.SetRunHandlersInline(true)
-  //       .SetMethodBlocking("/store.Store/LoadFromDisk");
+  //   builder.SetMethodBlocking("/store.Store/LoadFromDisk");
   ServerBuilder& SetMethodBlocking(std::string method_path);
 
   // Starts serving. INVALID_ARGUMENT for a bad configuration or address,
@@ -351,7 +361,7 @@ class ServerBuilder {
   bool rdma_ = true;
   uint32_t rdma_receives_ = 64;
   uint64_t rdma_landing_pool_bytes_ = uint64_t{8} << 30;
-  bool handlers_inline_ = false;
+  bool handlers_inline_ = true;
   std::set<std::string> blocking_methods_;
 };
 
