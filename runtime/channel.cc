@@ -218,9 +218,7 @@ Status Channel::Call(std::string_view method, ClientContext* ctx,
   }
   // A handler run inline by the RDMA engine: the engine goes on on
   // another thread while this one waits.
-  if (internal::PollerHooks* poller = internal::ThreadPoller()) {
-    poller->LeaveBeforeBlocking();
-  }
+  internal::LeavePollerToBlock();
   // On the stack, and the callback holds only its address (no heap
   // allocation): Wait returns after the last time Complete touches it.
   CallWaiter waiter;

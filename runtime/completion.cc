@@ -16,6 +16,7 @@ namespace {
 thread_local bool completion_thread = false;
 thread_local std::shared_ptr<CallerPoll> offered_poll;
 thread_local PollerHooks* thread_poller = nullptr;
+thread_local bool left_poller_to_block = false;
 }  // namespace
 
 void MarkCompletionThread(bool on) { completion_thread = on; }
@@ -24,6 +25,15 @@ bool OnCompletionThread() { return completion_thread; }
 PollerHooks* ThreadPoller() { return thread_poller; }
 void SetThreadPoller(PollerHooks* poller) { thread_poller = poller; }
 bool OnPollerThread() { return completion_thread || thread_poller != nullptr; }
+
+void LeavePollerToBlock() {
+  if (thread_poller != nullptr && thread_poller->LeaveBeforeBlocking()) {
+    left_poller_to_block = true;
+  }
+}
+bool TakeLeftPollerToBlock() {
+  return std::exchange(left_poller_to_block, false);
+}
 
 CompletionThreadScope::CompletionThreadScope() : was_(completion_thread) {
   completion_thread = true;

@@ -69,15 +69,19 @@ class PollerHooks {
   // now. Returns false where blocking stays unsafe (this thread does not
   // hold the poller, or holds a queue).
   virtual bool LeaveBeforeBlocking() = 0;
-  // Whether this thread still holds the poller (a drain's code that held
-  // it long may have lost it to another thread).
-  virtual bool HeldByThisThread() const = 0;
 
  protected:
   ~PollerHooks() = default;
 };
 PollerHooks* ThreadPoller();
 void SetThreadPoller(PollerHooks* poller);
+// Called by a blocking call of ours (Channel::Call) before it blocks: a
+// handler run by a poller hands the poller on (LeaveBeforeBlocking), and
+// is noted as one that blocks (TakeLeftPollerToBlock, for the dispatcher).
+void LeavePollerToBlock();
+// Whether LeavePollerToBlock handed a poller on from this thread since the
+// last call.
+bool TakeLeftPollerToBlock();
 // Whether the thread serves connections (polls them, or runs handlers
 // between its polls): slow work (pinning memory) belongs elsewhere.
 bool OnPollerThread();

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdlib>
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -93,6 +94,29 @@ class DiagnosticsService final : public Service {
 }  // namespace
 
 namespace internal {
+namespace {
+
+// An inline method moves to the workers after this many stalls, if they
+// are at least 1 in kStallShare of its calls.
+constexpr uint64_t kStallsToMove = 8;
+constexpr uint64_t kStallShare = 16;
+
+// How long an inline handler may hold its thread before it counts as a
+// stall: kCompletionThreadStall, or RDMARPC_INLINE_STALL_US (a profiler
+// that slows every handler down 50 times needs more).
+uint64_t StallTicks() {
+  const SpinClock& clock = SpinClock::Get();
+  if (const char* us = std::getenv("RDMARPC_INLINE_STALL_US")) {
+    char* end = nullptr;
+    unsigned long long value = std::strtoull(us, &end, 10);
+    if (end != us && *end == '\0') {
+      return clock.Ticks(std::chrono::microseconds(value));
+    }
+  }
+  return clock.Ticks(kCompletionThreadStall);
+}
+
+}  // namespace
 
 class ServerDispatcher final : public Dispatcher {
  public:
@@ -199,7 +223,8 @@ class ServerDispatcher final : public Dispatcher {
     // serves every registration of the process.
     const bool on_receiver =
         run_inline_ && !method.blocking &&
-        !method.moved_to_workers.value.load(std::memory_order_relaxed) &&
+        !method.inline_record.moved_to_workers.load(
+            std::memory_order_relaxed) &&
         (poller != nullptr || state->transport() != TransportKind::kRdma);
     if (!on_receiver) {
       pool_.Post([this, state = std::move(state), request = std::move(request),
@@ -254,8 +279,6 @@ class ServerDispatcher final : public Dispatcher {
     Status status;
     const internal::SpinClock& clock = internal::SpinClock::Get();
     const uint64_t began = on_receiver ? clock.Now() : 0;
-    PollerHooks* poller = on_receiver ? ThreadPoller() : nullptr;
-    const bool held_poller = poller != nullptr && poller->HeldByThisThread();
     size_t admitted = 0;  // interceptors whose BeforeHandler said OK
     for (; admitted < interceptors_.size(); ++admitted) {
       status = interceptors_[admitted]->BeforeHandler(&ctx, *request);
@@ -275,18 +298,29 @@ class ServerDispatcher final : public Dispatcher {
     for (size_t i = admitted; i-- > 0;) {
       interceptors_[i]->AfterHandler(&ctx, &status);
     }
-    if (on_receiver) {
-      const bool stalled =
-          clock.Now() - began >= clock.Ticks(kCompletionThreadStall);
-      if (stalled) inline_stalls_.fetch_add(1, std::memory_order_relaxed);
-      // It held the receiving thread, or blocked and lost the engine: its
-      // later calls run on the workers.
-      if ((stalled || (held_poller && !poller->HeldByThisThread())) &&
-          !method.moved_to_workers.value.exchange(true)) {
-        moved_to_workers_.fetch_add(1, std::memory_order_relaxed);
-      }
-    }
+    if (on_receiver) NoteInlineRun(method, clock.Now() - began);
     finish(std::move(status), std::move(response));
+  }
+
+  // Moves a method to the workers once a handler blocked in a call of
+  // ours, or once its handlers stalled their thread kStallsToMove times
+  // and in at least 1 of kStallShare calls: one stall may be the thread
+  // being preempted (a loaded machine, a first call), not the handler.
+  void NoteInlineRun(const ServerMethod& method, uint64_t ticks) {
+    ServerMethod::InlineRecord& record = method.inline_record;
+    // Lossy when two threads run the method at once; a ratio needs no more.
+    const uint64_t calls = record.calls.load(std::memory_order_relaxed) + 1;
+    record.calls.store(calls, std::memory_order_relaxed);
+    bool move = TakeLeftPollerToBlock();
+    if (ticks >= stall_ticks_) {
+      inline_stalls_.fetch_add(1, std::memory_order_relaxed);
+      const uint64_t stalls =
+          record.stalls.fetch_add(1, std::memory_order_relaxed) + 1;
+      move = move || (stalls >= kStallsToMove && stalls * kStallShare >= calls);
+    }
+    if (move && !record.moved_to_workers.exchange(true)) {
+      moved_to_workers_.fetch_add(1, std::memory_order_relaxed);
+    }
   }
 
   void Delivered(const ServerCallState& state) override {
@@ -341,6 +375,7 @@ class ServerDispatcher final : public Dispatcher {
   uint64_t max_request_tensor_bytes_;
   uint32_t max_calls_per_connection_;
   bool run_inline_;
+  const uint64_t stall_ticks_ = StallTicks();
   std::atomic<uint64_t> started_{0};
   std::atomic<uint64_t> not_started_cancelled_{0};
   std::atomic<uint64_t> not_started_past_deadline_{0};

@@ -142,16 +142,18 @@ struct ServerMethod {
   // Its handlers may block: they run on the worker pool even when the
   // server runs handlers inline (ServerBuilder::SetMethodBlocking).
   bool blocking = false;
-  // Set once one of its handlers run inline held the receiving thread
-  // (HandlerStats::inline_stalls) or blocked and lost the RDMA engine:
-  // from then on they run on the worker pool too.
-  struct Flag {
-    Flag() = default;
-    // Copied only while the server is being built (the method table).
-    Flag(const Flag& other) : value(other.value.load()) {}
-    std::atomic<bool> value{false};
+  // How its handlers fared inline, kept by the threads that run them: once
+  // one blocks in a call of ours, or they stall their thread often, they
+  // run on the worker pool.
+  struct InlineRecord {
+    InlineRecord() = default;
+    // Copied only while the server is built (the method table), unused.
+    InlineRecord(const InlineRecord&) {}
+    std::atomic<uint64_t> calls{0};
+    std::atomic<uint64_t> stalls{0};
+    std::atomic<bool> moved_to_workers{false};
   };
-  mutable Flag moved_to_workers;
+  mutable InlineRecord inline_record;
 };
 
 // The connection a logged call's response goes out on, as the call log

@@ -196,7 +196,8 @@ void Engine::ThreadMain(bool holds_role) {
   if (holds_role) {
     held_generation = 1;
     holder_generation_ = 1;
-    role_.store(uint64_t{1} << 2 | kPolling, std::memory_order_release);
+    role_.store(uint64_t{1} << kGenerationShift | kPolling,
+                std::memory_order_release);
   }
   while (true) {
     if (!holds_role) TakeRole();
@@ -217,9 +218,11 @@ void Engine::TakeRole() {
   --standby_;
   role_free_ = false;
   // The last holder gave the role up and touches no loop state any more.
-  held_generation = (role_.load(std::memory_order_acquire) >> 2) + 1;
+  held_generation =
+      (role_.load(std::memory_order_acquire) >> kGenerationShift) + 1;
   holder_generation_ = held_generation;
-  role_.store(held_generation << 2 | kPolling, std::memory_order_release);
+  role_.store(held_generation << kGenerationShift | kPolling,
+              std::memory_order_release);
 }
 
 void Engine::PassRole() {
@@ -266,9 +269,9 @@ bool Engine::Drain() {
   const int count = drain_count_;
   std::copy_n(drains_, count, drains);
   drain_count_ = 0;
-  const uint64_t held = holder_generation_ << 2;
-  drain_began_.store(internal::SpinClock::Get().Now(),
-                     std::memory_order_relaxed);
+  drain_number_ = (drain_number_ + 1) & kDrainNumberMask;
+  const uint64_t held = holder_generation_ << kGenerationShift | drain_number_
+                                                                     << 2;
   role_.store(held | kDraining, std::memory_order_release);
   // No queue is held now: what the drains run may block once it has
   // handed the role on (LeaveBeforeBlocking).
@@ -285,9 +288,10 @@ bool Engine::Drain() {
 
 bool Engine::LeaveBeforeBlocking() {
   if (held_generation == 0 || internal::OnCompletionThread()) return false;
-  const uint64_t held = held_generation << 2;
-  uint64_t expected = held | kDraining;
-  if (role_.compare_exchange_strong(expected, held | kGivenUp,
+  uint64_t role = role_.load(std::memory_order_acquire);
+  if (role >> kGenerationShift == held_generation &&
+      (role & kPhaseMask) == kDraining &&
+      role_.compare_exchange_strong(role, (role & ~kPhaseMask) | kGivenUp,
                                     std::memory_order_acq_rel)) {
     PassRole();
   }
@@ -295,30 +299,22 @@ bool Engine::LeaveBeforeBlocking() {
   return true;
 }
 
-bool Engine::HeldByThisThread() const {
-  if (held_generation == 0) return false;
-  uint64_t role = role_.load(std::memory_order_acquire);
-  return role >> 2 == held_generation && (role & 3) != kGivenUp;
-}
-
 void Engine::Watch() {
-  const internal::SpinClock& clock = internal::SpinClock::Get();
-  const uint64_t hand_off_after = clock.Ticks(kHandOffAfter);
+  uint64_t last_seen = 0;
   while (true) {
     std::this_thread::sleep_for(pass_began_.load(std::memory_order_relaxed) == 0
                                     ? kIdleWatchPeriod
                                     : kHandOffAfter);
+    // The same drain (generation and drain number) on two looks, at least
+    // kHandOffAfter apart: a handler holds the engine. Its connections go
+    // on without it.
     uint64_t role = role_.load(std::memory_order_acquire);
-    if ((role & 3) != kDraining ||
-        clock.Now() - drain_began_.load(std::memory_order_relaxed) <
-            hand_off_after) {
-      continue;
-    }
-    // A handler holds the engine: its connections go on without it.
-    if (role_.compare_exchange_strong(role, (role & ~uint64_t{3}) | kGivenUp,
+    if ((role & kPhaseMask) == kDraining && role == last_seen &&
+        role_.compare_exchange_strong(role, (role & ~kPhaseMask) | kGivenUp,
                                       std::memory_order_acq_rel)) {
       PassRole();
     }
+    last_seen = role;
   }
 }
 

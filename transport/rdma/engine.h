@@ -28,10 +28,11 @@
 // thread: a handler that blocks does not stall the process's connections
 // for long. One that is about to block in a call of ours (Channel::Call)
 // hands the role to a standby thread at once (LeaveBeforeBlocking); one
-// that holds it kHandOffAfter or more (a sleep, a lock, a loop waiting for
-// its own cancel) loses it to the watchdog thread (`rdmarpc-watch`), which
-// hands it on. The thread that lost the role finishes its handlers and
-// then waits as a standby.
+// that holds it longer than kHandOffAfter (10-20 ms: the watchdog thread,
+// `rdmarpc-watch`, sees the same drain on two looks kHandOffAfter apart)
+// loses it to the watchdog, which hands it on: a sleep, a lock, a loop
+// waiting for its own cancel. The thread that lost the role finishes its
+// handlers and then waits as a standby.
 //
 // The engine also reads each device's asynchronous events: a QP fatal
 // event closes that connection, a port error the connections on that port,
@@ -61,8 +62,8 @@ class Connection;
 
 class Engine final : public internal::PollerHooks {
  public:
-  // A handler run by the engine that holds it this long loses it to
-  // another thread.
+  // A handler run by the engine that holds it this long (up to twice) loses
+  // it to another thread.
   static constexpr std::chrono::milliseconds kHandOffAfter{10};
 
   // The process-wide engine, started on first use and never destroyed
@@ -97,11 +98,14 @@ class Engine final : public internal::PollerHooks {
   // internal::PollerHooks, on the thread that holds the role.
   void RunAfterBatch(void (*drain)()) override;
   bool LeaveBeforeBlocking() override;
-  bool HeldByThisThread() const override;
 
  private:
-  // The role word: generation << 2 | phase. A generation per holding.
+  // The role word: generation << 32 | drain number << 2 | phase. A
+  // generation per holding, a drain number per drain of it.
   enum Phase : uint64_t { kPolling = 0, kDraining = 1, kGivenUp = 2 };
+  static constexpr uint64_t kPhaseMask = 3;
+  static constexpr int kGenerationShift = 32;
+  static constexpr uint64_t kDrainNumberMask = (uint64_t{1} << 30) - 1;
 
   Engine();
   // A thread of the engine: holds the role when given it, else waits.
@@ -140,14 +144,13 @@ class Engine final : public internal::PollerHooks {
   uint64_t last_events_ = 0;
   uint64_t loop_pass_began_ = 0;
   uint64_t holder_generation_ = 0;
+  uint64_t drain_number_ = 0;
   // What RunAfterBatch queued (distinct functions; the runtime has one).
   static constexpr int kMaxDrains = 4;
   void (*drains_[kMaxDrains])() = {};
   int drain_count_ = 0;
 
   std::atomic<uint64_t> role_{0};
-  // SpinClock time the current drain began.
-  std::atomic<uint64_t> drain_began_{0};
   std::atomic<uint64_t> handoffs_{0};
   std::atomic<bool> watching_{false};
   std::mutex standby_mu_;

@@ -183,8 +183,9 @@ struct HandlerStats {
   // connection that thread serves: mark their methods with
   // ServerBuilder::SetMethodBlocking.
   uint64_t inline_stalls = 0;
-  // Methods whose handlers ran inline until one stalled its thread or
-  // blocked, and that run on the worker pool since.
+  // Methods whose handlers ran inline until one blocked in a blocking call
+  // or they stalled their thread often (SetRunHandlersInline), and that
+  // run on the worker pool since.
   uint64_t moved_to_workers = 0;
   // Calls refused with RESOURCE_EXHAUSTED because their connection had
   // ServerBuilder::SetMaxCallsPerConnection calls running.
@@ -322,12 +323,14 @@ class ServerBuilder {
   // worker pool (SetNumWorkers).
   //
   // A handler that blocks anyway is contained, not fatal: a blocking
-  // Channel::Call made in it hands the RDMA engine to another thread first;
-  // one that holds the engine 10 ms loses it to another thread; and a
-  // method whose handler held its thread 1 ms or more
-  // (HandlerStats::inline_stalls) or lost the engine runs on the worker
-  // pool from then on (HandlerStats::moved_to_workers). Until then the
-  // other connections of that thread wait.
+  // Channel::Call made in it hands the RDMA engine to another thread first,
+  // and its method runs on the worker pool from then on; one that holds
+  // the engine 10-20 ms loses it to another thread. A handler that holds
+  // its thread 1 ms or more counts in HandlerStats::inline_stalls
+  // (RDMARPC_INLINE_STALL_US sets another threshold, for profilers); after
+  // 8 such stalls, if they are at least 1 in 16 of its calls, the method
+  // runs on the worker pool too (HandlerStats::moved_to_workers). Until
+  // then the other connections of that thread wait.
   ServerBuilder& SetRunHandlersInline(bool run_inline);
   // Marks one method ("/package.Service/Method") as one whose handler may
   // block: its handlers run on the worker pool. Unknown methods fail
