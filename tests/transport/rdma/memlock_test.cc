@@ -8,6 +8,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -51,8 +52,14 @@ TEST(RdmaRegistration, LowMemlockLimitFallsBackToGrpcWithTheReason) {
                     .RegisterService(&sink)
                     .BuildAndStart();
   ASSERT_TRUE(server.ok()) << server.status();
-  auto stub =
-      E2E::NewStub(rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port)));
+  // Timers for a loaded machine (a sanitized build in the TCG VM): the
+  // default peer timeout (3 s) once took the first call's slow start for
+  // a silent server and moved it to gRPC. This test is about registration.
+  rdmarpc::ChannelOptions options;
+  options.rdma_connect_timeout = std::chrono::seconds(60);
+  options.rdma_peer_timeout = std::chrono::seconds(60);
+  auto stub = E2E::NewStub(
+      rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port), options));
   // A small call: RDMA works within the limit.
   {
     std::vector<uint8_t> small(64 << 10, 1);
