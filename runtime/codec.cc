@@ -1,5 +1,8 @@
 #include "runtime/codec.h"
 
+#include <algorithm>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "runtime/access.h"
 #include "runtime/cuda_support.h"
@@ -227,9 +230,50 @@ StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
   return result;
 }
 
+namespace {
+
+// Waits for a producer's CUDA stream before the first read of each GPU's
+// memory: once for a stream (it belongs to one GPU), once per GPU for the
+// legacy default stream.
+class ProducerWait {
+ public:
+  explicit ProducerWait(void* cuda_stream) : stream_(cuda_stream) {}
+
+  Status Before(Device device) {
+    if (!device.is_cuda()) return absl::OkStatus();
+    if (stream_ != nullptr ? waited_stream_
+                           : std::find(waited_.begin(), waited_.end(),
+                                       device.index) != waited_.end()) {
+      return absl::OkStatus();
+    }
+    RDMARPC_ASSIGN_OR_RETURN(std::shared_ptr<CudaFence> fence,
+                             CudaRecordFence(device.index, stream_));
+    RDMARPC_RETURN_IF_ERROR(fence->Wait());
+    waited_stream_ = true;
+    waited_.push_back(device.index);
+    return absl::OkStatus();
+  }
+
+ private:
+  void* const stream_;
+  bool waited_stream_ = false;
+  std::vector<int> waited_;  // GPUs whose legacy stream was waited for
+};
+
+}  // namespace
+
+Status WaitForGpuProducer(const OutgoingPlan& plan, void* cuda_stream) {
+  ProducerWait wait(cuda_stream);
+  for (const OutgoingTensor& t : plan.tensors) {
+    if (t.out_of_band) RDMARPC_RETURN_IF_ERROR(wait.Before(t.buffer.device()));
+  }
+  return absl::OkStatus();
+}
+
 StatusOr<std::unique_ptr<google::protobuf::Message>> InlineTensors(
     const google::protobuf::Message& msg, const CallTensors& tensors,
-    uint64_t* copied) {
+    void* cuda_stream, uint64_t* copied) {
+  ProducerWait wait(cuda_stream);
   TensorList fields;
   RDMARPC_RETURN_IF_ERROR(CollectTensors(msg, &fields));
   std::unique_ptr<google::protobuf::Message> copy(msg.New());
@@ -239,6 +283,7 @@ StatusOr<std::unique_ptr<google::protobuf::Message>> InlineTensors(
   for (size_t i = 0; i < fields.size(); ++i) {
     const TensorBuffer* b = CallTensorsAccess::Find(tensors, *fields[i]);
     if (b == nullptr) continue;  // already inline
+    RDMARPC_RETURN_IF_ERROR(wait.Before(b->device()));
     std::string* data = copy_fields[i]->mutable_data();
     data->resize(b->size());
     RDMARPC_RETURN_IF_ERROR(CopyBytes(data->data(), Device::Host(), b->data(),

@@ -104,11 +104,19 @@ StatusOr<IncomingResult> AcceptIncoming(google::protobuf::Message* msg,
                                         std::shared_ptr<const void> owner,
                                         CallTensors* tensors);
 
+// Blocks until the work queued so far on `cuda_stream` (a cudaStream_t;
+// nullptr is the legacy default stream of each GPU concerned) is done, when
+// `plan` has a tensor in GPU memory. For transports that copy those bytes
+// out synchronously right after: the stream's producer must finish first.
+[[nodiscard]] Status WaitForGpuProducer(const OutgoingPlan& plan,
+                                        void* cuda_stream);
+
 // A copy of `msg` with every bound tensor's bytes inline in data(), for a
-// plain gRPC peer. Adds the bytes copied to *copied.
+// plain gRPC peer, read after the work queued on `cuda_stream` (as in
+// WaitForGpuProducer). Adds the bytes copied to *copied.
 StatusOr<std::unique_ptr<google::protobuf::Message>> InlineTensors(
     const google::protobuf::Message& msg, const CallTensors& tensors,
-    uint64_t* copied);
+    void* cuda_stream, uint64_t* copied);
 
 }  // namespace rdmarpc::internal
 

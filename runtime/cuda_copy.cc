@@ -1,5 +1,6 @@
 // CUDA: synchronous copies between host and GPU memory, through pinned
-// chunks when the host side is pageable.
+// chunks when the host side is pageable; each returns once the bytes are
+// in place.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -85,9 +86,16 @@ Status CudaCopy(void* dst, Device dst_device, const void* src,
     if (staged.code() != StatusCode::kResourceExhausted) return staged;
     // No pinned memory to spare: let CUDA stage it.
   }
+  // On the legacy default stream, as cudaMemcpy, but waited for with an
+  // event: cudaMemcpy from pageable memory returns before its DMA to the
+  // GPU is done, and work on a non-blocking stream is not ordered after it.
   // cudaMemcpyDefault: unified addressing tells the direction, including
   // device to device across GPUs.
-  RDMARPC_CUDA_RETURN_IF_ERROR(cudaMemcpy(dst, src, size, cudaMemcpyDefault));
+  RDMARPC_ASSIGN_OR_RETURN(UniqueEvent done, CreateEvent());
+  RDMARPC_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(dst, src, size, cudaMemcpyDefault, cudaStreamLegacy));
+  RDMARPC_CUDA_RETURN_IF_ERROR(cudaEventRecord(done.get(), cudaStreamLegacy));
+  RDMARPC_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(done.get()));
   return absl::OkStatus();
 }
 

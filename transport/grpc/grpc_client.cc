@@ -86,6 +86,9 @@ class LeanCall {
     RDMARPC_ASSIGN_OR_RETURN(
         internal::OutgoingPlan plan,
         internal::PlanOutgoing(*call_.request, ctx->tensors()));
+    // The request's device tensors are copied out on this thread, below.
+    RDMARPC_RETURN_IF_ERROR(
+        internal::WaitForGpuProducer(plan, ctx->cuda_stream()));
     std::string message;
     if (!call_.request->SerializeToString(&message)) {
       return absl::InvalidArgumentError(

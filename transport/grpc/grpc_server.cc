@@ -342,6 +342,8 @@ class ServerCall {
     if (!lean_) return RespondPlain();
     auto plan = internal::PlanOutgoing(*response_, state_->tensors);
     if (!plan.ok()) return FinishOnce(HandlerError(plan.status()));
+    Status produced = internal::WaitForGpuProducer(*plan, state_->cuda_stream);
+    if (!produced.ok()) return FinishOnce(HandlerError(produced));
     std::string message;
     if (!response_->SerializeToString(&message)) {
       return FinishOnce(absl::InternalError(
@@ -357,8 +359,8 @@ class ServerCall {
 
   void RespondPlain() {
     uint64_t copied = 0;
-    auto inlined =
-        internal::InlineTensors(*response_, state_->tensors, &copied);
+    auto inlined = internal::InlineTensors(*response_, state_->tensors,
+                                           state_->cuda_stream, &copied);
     if (!inlined.ok()) return FinishOnce(HandlerError(inlined.status()));
     size_t size = (*inlined)->ByteSizeLong();
     if (size > INT_MAX) {
