@@ -8,15 +8,16 @@
 #   # there, from the repository root, with the folder carried:
 #   OUT=/tmp/out bash .gpu-pack/run.sh
 #
-# run.sh runs gpu_payload_test (3 rounds), hello_tensor with --device=cuda,
-# and compute-sanitizer's memcheck and synccheck over the gRPC cases;
-# logs go to $OUT.
+# run.sh runs cuda_support_test and gpu_payload_test (3 rounds each),
+# hello_tensor with --device=cuda, and compute-sanitizer's memcheck and
+# synccheck over both tests (gpu_payload_test's gRPC cases); logs go to
+# $OUT.
 set -euo pipefail
 build=$(cd "${1:-build}" && pwd)
 pack=${2:-.gpu-pack}
 rm -rf "$pack"
 mkdir -p "$pack/bin" "$pack/lib"
-for b in tests/gpu/gpu_payload_test examples/hello_tensor/hello_tensor_client \
+for b in tests/gpu/gpu_payload_test tests/gpu/cuda_support_test examples/hello_tensor/hello_tensor_client \
   examples/hello_tensor/hello_tensor_server; do
   cp "$build/$b" "$pack/bin/"
 done
@@ -35,6 +36,10 @@ OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/all.log") 2>&1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+echo "=== cuda_support_test, 3 rounds"
+timeout 120 "$B/cuda_support_test" --gtest_repeat=3 2>&1 |
+  tee "$OUT/cuda_support.log" | grep -E 'Failure|Which is|SKIPPED|FAILED|PASSED|^\[='
+echo "rc ${PIPESTATUS[0]}"
 echo "=== gpu_payload_test, 3 rounds"
 timeout 240 "$B/gpu_payload_test" --gtest_repeat=3 2>&1 |
   tee "$OUT/gpu_payload.log" |
@@ -54,6 +59,8 @@ for tool in memcheck synccheck; do
   echo "=== compute-sanitizer $tool"
   timeout 150 "$cs" --tool $tool "$B/gpu_payload_test" --gtest_filter="$cases" \
     2>&1 | tee "$OUT/$tool.log" | tail -3
+  timeout 100 "$cs" --tool $tool "$B/cuda_support_test" \
+    2>&1 | tee "$OUT/$tool-support.log" | tail -3
 done
 RUN
 du -sh "$pack"
