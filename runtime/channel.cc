@@ -235,6 +235,9 @@ std::future<Status> Channel::CallFuture(
     std::string_view method, ClientContext* ctx,
     const google::protobuf::Message& request,
     google::protobuf::Message* response) {
+  // A handler run inline by the RDMA engine that waits for the future
+  // would wait for its own thread: the engine goes on on another one.
+  internal::LeavePollerToBlock();
   auto promise = std::make_shared<std::promise<Status>>();
   std::future<Status> future = promise->get_future();
   // Setting the promise only wakes the waiter: no hand-off to the callback

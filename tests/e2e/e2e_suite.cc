@@ -311,15 +311,18 @@ TEST_P(E2ETest, InlineHandlerWaitingForItsCancelSeesIt) {
 }
 
 // A handler run inline may make a blocking call (here to the fixture's
-// server): over RDMA the engine goes on on another thread meanwhile.
+// server), through the blocking stub or a future it waits for: over RDMA
+// the engine goes on on another thread meanwhile.
 TEST_P(E2ETest, InlineHandlerMayMakeABlockingCall) {
   class Forwarding final : public E2E::Service {
    public:
-    explicit Forwarding(E2E::Stub* next) : next_(next) {}
+    Forwarding(E2E::Stub* next, bool by_future)
+        : next_(next), by_future_(by_future) {}
     rdmarpc::Status Echo(rdmarpc::ServerContext*, const EchoRequest& req,
                          EchoResponse* resp) override {
       ClientContext ctx;
-      rdmarpc::Status s = next_->Echo(&ctx, req, resp);
+      rdmarpc::Status s = by_future_ ? next_->EchoFuture(&ctx, req, resp).get()
+                                     : next_->Echo(&ctx, req, resp);
       resp->set_note(resp->note() + "|via " +
                      rdmarpc::TransportName(ctx.stats().transport));
       return s;
@@ -327,28 +330,33 @@ TEST_P(E2ETest, InlineHandlerMayMakeABlockingCall) {
 
    private:
     E2E::Stub* next_;
+    bool by_future_;
   };
-  Forwarding forwarding(stub_.get());
-  std::unique_ptr<rdmarpc::Server> server;
-  std::unique_ptr<E2E::Stub> stub;
-  ASSERT_NO_FATAL_FAILURE(
-      ServeWithDefaults(&forwarding, GetParam().policy, &server, &stub));
-  for (int i = 0; i < 3; ++i) {
-    ClientContext ctx;
-    EchoRequest req;
-    req.set_note("n" + std::to_string(i));
-    EchoResponse resp;
-    rdmarpc::Status s = stub->Echo(&ctx, req, &resp);
-    ASSERT_TRUE(s.ok()) << s;
-    EXPECT_EQ(ctx.stats().transport, GetParam().expected);
-    EXPECT_EQ(resp.note(),
-              req.note() + "|via " +
-                  std::string(rdmarpc::TransportName(GetParam().expected)));
-  }
-  // Over RDMA the first call handed the engine on to block, which moved
-  // the method to the workers at once.
-  if (GetParam().expected == rdmarpc::TransportKind::kRdma) {
-    EXPECT_EQ(server->handler_stats().moved_to_workers, 1u);
+  for (bool by_future : {false, true}) {
+    SCOPED_TRACE(by_future ? "future" : "blocking stub");
+    Forwarding forwarding(stub_.get(), by_future);
+    std::unique_ptr<rdmarpc::Server> server;
+    std::unique_ptr<E2E::Stub> stub;
+    ASSERT_NO_FATAL_FAILURE(
+        ServeWithDefaults(&forwarding, GetParam().policy, &server, &stub));
+    for (int i = 0; i < 3; ++i) {
+      ClientContext ctx;
+      EchoRequest req;
+      req.set_note("n" + std::to_string(i));
+      EchoResponse resp;
+      rdmarpc::Status s = stub->Echo(&ctx, req, &resp);
+      ASSERT_TRUE(s.ok()) << s;
+      EXPECT_EQ(ctx.stats().transport, GetParam().expected);
+      EXPECT_EQ(resp.note(),
+                req.note() + "|via " +
+                    std::string(rdmarpc::TransportName(GetParam().expected)));
+    }
+    // Over RDMA the first call handed the engine on to block, which moved
+    // the method to the workers at once (the watchdog's hand-off, 10-20 ms
+    // later, would not have moved it).
+    if (GetParam().expected == rdmarpc::TransportKind::kRdma) {
+      EXPECT_EQ(server->handler_stats().moved_to_workers, 1u);
+    }
   }
 }
 

@@ -323,14 +323,15 @@ class ServerBuilder {
   // worker pool (SetNumWorkers).
   //
   // A handler that blocks anyway is contained, not fatal: a blocking
-  // Channel::Call made in it hands the RDMA engine to another thread first,
-  // and its method runs on the worker pool from then on; one that holds
-  // the engine 10-20 ms loses it to another thread. A handler that holds
-  // its thread 1 ms or more counts in HandlerStats::inline_stalls
-  // (RDMARPC_INLINE_STALL_US sets another threshold, for profilers); after
-  // 8 such stalls, if they are at least 1 in 16 of its calls, the method
-  // runs on the worker pool too (HandlerStats::moved_to_workers). Until
-  // then the other connections of that thread wait.
+  // Channel::Call or a CallFuture made in it hands the RDMA engine to
+  // another thread first, and its method runs on the worker pool from then
+  // on; one that holds the engine 10-20 ms loses it to another thread. A
+  // handler that holds its thread 1 ms or more counts in
+  // HandlerStats::inline_stalls (RDMARPC_INLINE_STALL_US sets another
+  // threshold, for profilers); after 8 such stalls, if they are at least 1
+  // in 16 of its calls, the method runs on the worker pool too
+  // (HandlerStats::moved_to_workers). Until then the other connections of
+  // that thread wait.
   ServerBuilder& SetRunHandlersInline(bool run_inline);
   // Marks one method ("/package.Service/Method") as one whose handler may
   // block: its handlers run on the worker pool. Unknown methods fail
