@@ -126,7 +126,8 @@ void CmListener::Loop() {
         events_.connect_request(*event);
         break;
       case RDMA_CM_EVENT_ESTABLISHED:
-        events_.established();
+        // Nothing to do: the server counts a connection when it accepts it,
+        // and may have served calls on it before this event comes.
         break;
       case RDMA_CM_EVENT_DEVICE_REMOVAL:
         if (listener) {

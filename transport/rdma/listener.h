@@ -33,8 +33,6 @@ class CmListener {
     // A client asks to connect. The callee owns `event.id`: it accepts the
     // id, or rejects and destroys it.
     std::function<void(const CmEvent&)> connect_request;
-    // A connection accepted earlier is established.
-    std::function<void()> established;
     // Accepted connection `id` is gone (disconnected, connect error,
     // unreachable, or its device removed).
     std::function<void(rdma_cm_id* id, rdma_cm_event_type type)> lost;

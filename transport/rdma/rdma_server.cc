@@ -35,7 +35,6 @@ StatusOr<std::unique_ptr<RdmaServerTransport>> RdmaServerTransport::Start(
   events.connect_request = [raw](const CmEvent& e) {
     raw->OnConnectRequest(e);
   };
-  events.established = [raw] { raw->shared_->accepted.fetch_add(1); };
   events.lost = [raw](rdma_cm_id* id, rdma_cm_event_type type) {
     raw->OnConnectionLost(id, type);
   };
@@ -161,6 +160,10 @@ void RdmaServerTransport::OnConnectRequest(const CmEvent& event) {
   }
   if (rdma_accept(event.id, &param) != 0) {
     (*conn)->Close(VerbsError("rdma_accept", errno));
+  } else {
+    // Counted before the engine polls the connection: its first call may
+    // be served before the listener sees the CM's ESTABLISHED event.
+    shared_->accepted.fetch_add(1);
   }
   {
     std::lock_guard<std::mutex> lock(shared_->mu);
