@@ -218,7 +218,7 @@ Status Channel::Call(std::string_view method, ClientContext* ctx,
   }
   // A handler run inline by the RDMA engine: the engine goes on on
   // another thread while this one waits.
-  internal::LeavePollerToBlock();
+  internal::BeforeBlockingCall();
   // On the stack, and the callback holds only its address (no heap
   // allocation): Wait returns after the last time Complete touches it.
   CallWaiter waiter;
@@ -237,7 +237,7 @@ std::future<Status> Channel::CallFuture(
     google::protobuf::Message* response) {
   // A handler run inline by the RDMA engine that waits for the future
   // would wait for its own thread: the engine goes on on another one.
-  internal::LeavePollerToBlock();
+  internal::BeforeBlockingCall();
   auto promise = std::make_shared<std::promise<Status>>();
   std::future<Status> future = promise->get_future();
   // Setting the promise only wakes the waiter: no hand-off to the callback

@@ -16,7 +16,8 @@ namespace {
 thread_local bool completion_thread = false;
 thread_local std::shared_ptr<CallerPoll> offered_poll;
 thread_local PollerHooks* thread_poller = nullptr;
-thread_local bool left_poller_to_block = false;
+thread_local bool in_inline_handler = false;
+thread_local bool inline_handler_blocked = false;
 }  // namespace
 
 void MarkCompletionThread(bool on) { completion_thread = on; }
@@ -26,13 +27,16 @@ PollerHooks* ThreadPoller() { return thread_poller; }
 void SetThreadPoller(PollerHooks* poller) { thread_poller = poller; }
 bool OnPollerThread() { return completion_thread || thread_poller != nullptr; }
 
-void LeavePollerToBlock() {
-  if (thread_poller != nullptr && thread_poller->LeaveBeforeBlocking()) {
-    left_poller_to_block = true;
-  }
+void BeforeBlockingCall() {
+  if (thread_poller != nullptr) thread_poller->LeaveBeforeBlocking();
+  if (in_inline_handler) inline_handler_blocked = true;
 }
-bool TakeLeftPollerToBlock() {
-  return std::exchange(left_poller_to_block, false);
+InlineHandlerScope::InlineHandlerScope() : was_(in_inline_handler) {
+  in_inline_handler = true;
+}
+InlineHandlerScope::~InlineHandlerScope() { in_inline_handler = was_; }
+bool TakeInlineHandlerBlocked() {
+  return std::exchange(inline_handler_blocked, false);
 }
 
 CompletionThreadScope::CompletionThreadScope() : was_(completion_thread) {

@@ -75,13 +75,26 @@ class PollerHooks {
 };
 PollerHooks* ThreadPoller();
 void SetThreadPoller(PollerHooks* poller);
-// Called by a blocking call of ours (Channel::Call) before it blocks: a
-// handler run by a poller hands the poller on (LeaveBeforeBlocking), and
-// is noted as one that blocks (TakeLeftPollerToBlock, for the dispatcher).
-void LeavePollerToBlock();
-// Whether LeavePollerToBlock handed a poller on from this thread since the
+// Called by a blocking call of ours (Channel::Call, CallFuture) before it
+// blocks: a handler run by a poller hands the poller on
+// (LeaveBeforeBlocking), and a handler run inline on any transport's
+// thread is noted as one that blocks (TakeInlineHandlerBlocked, for the
+// dispatcher, which moves its method to the workers).
+void BeforeBlockingCall();
+// Marks the calling thread as running a handler inline while it lives.
+class InlineHandlerScope {
+ public:
+  InlineHandlerScope();
+  ~InlineHandlerScope();
+  InlineHandlerScope(const InlineHandlerScope&) = delete;
+  InlineHandlerScope& operator=(const InlineHandlerScope&) = delete;
+
+ private:
+  bool was_;
+};
+// Whether the inline handler of this thread made a blocking call since the
 // last call.
-bool TakeLeftPollerToBlock();
+bool TakeInlineHandlerBlocked();
 // Whether the thread serves connections (polls them, or runs handlers
 // between its polls): slow work (pinning memory) belongs elsewhere.
 bool OnPollerThread();

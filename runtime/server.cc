@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -285,6 +286,8 @@ class ServerDispatcher final : public Dispatcher {
       if (!status.ok()) break;
     }
     if (status.ok()) {
+      std::optional<InlineHandlerScope> inline_scope;
+      if (on_receiver) inline_scope.emplace();
       try {
         status = m.handler(&ctx, *request, response.get());
       } catch (const std::exception& e) {
@@ -311,7 +314,7 @@ class ServerDispatcher final : public Dispatcher {
     // Lossy when two threads run the method at once; a ratio needs no more.
     const uint64_t calls = record.calls.load(std::memory_order_relaxed) + 1;
     record.calls.store(calls, std::memory_order_relaxed);
-    bool move = TakeLeftPollerToBlock();
+    bool move = TakeInlineHandlerBlocked();
     if (ticks >= stall_ticks_) {
       inline_stalls_.fetch_add(1, std::memory_order_relaxed);
       const uint64_t stalls =

@@ -469,8 +469,7 @@ void ServerEndpoint::Respond(
     }
     return;
   }
-  if (out->tensor_bytes >= kRegisterAsideBytes &&
-      internal::OnPollerThread()) {
+  if (out->tensor_bytes >= kRegisterAsideBytes && internal::OnPollerThread()) {
     // An inline handler's large response: pinning its pages would hold
     // the engine, and so every connection it polls. Registered aside, and
     // sent from there; the call counts as running meanwhile. (The head is
