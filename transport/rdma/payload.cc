@@ -1,5 +1,6 @@
 #include "transport/rdma/payload.h"
 
+#include <algorithm>
 #include <climits>
 #include <utility>
 
@@ -260,6 +261,9 @@ Status ReceivePayload(const google::protobuf::RepeatedPtrField<Part>& parts,
   in.inline_tensors.resize(parts.size() - 1);
   uint64_t tensor_total = 0;
   size_t offset = 0;
+  const bool all_in_frame =
+      std::none_of(parts.begin(), parts.end(),
+                   [](const Part& p) { return p.out_of_band(); });
   for (size_t i = 0; i < in.parts.size(); ++i) {
     const Part& p = in.parts[i];
     if (i == 0 && p.size() > INT_MAX) {
@@ -279,7 +283,9 @@ Status ReceivePayload(const google::protobuf::RepeatedPtrField<Part>& parts,
     if (!p.out_of_band()) {
       std::string_view bytes = inline_bytes.substr(offset, p.size());
       offset += p.size();
-      if (i == 0) {
+      if (i == 0 && all_in_frame) {
+        in.message_in_frame = bytes;
+      } else if (i == 0) {
         in.message.assign(bytes);
       } else {
         in.inline_tensors[i - 1].assign(bytes);
@@ -293,7 +299,10 @@ Status ReceivePayload(const google::protobuf::RepeatedPtrField<Part>& parts,
   if (!placement.by_field.empty() && prototype != nullptr &&
       !in.parts[0].out_of_band()) {
     std::unique_ptr<google::protobuf::Message> probe(prototype->New());
-    if (probe->ParseFromString(in.message)) {
+    const std::string_view message =
+        all_in_frame ? in.message_in_frame : std::string_view(in.message);
+    if (probe->ParseFromArray(message.data(),
+                              static_cast<int>(message.size()))) {
       auto resolved = placement.Resolve(*probe);
       if (resolved.ok() && resolved->size() == devices.size()) {
         devices.assign(resolved->begin(), resolved->end());
@@ -414,10 +423,14 @@ StatusOr<internal::IncomingResult> FinishPayload(
   for (size_t k = 0; k < in->landing.size(); ++k) {
     landed[in->landing_part[k]] = in->landing[k];
   }
-  bool parsed = landed[0].empty()
-                    ? msg->ParseFromString(in->message)
-                    : msg->ParseFromArray(landed[0].data(),
-                                          static_cast<int>(landed[0].size()));
+  std::string_view message = in->message;
+  if (!landed[0].empty()) {
+    message = {static_cast<const char*>(landed[0].data()), landed[0].size()};
+  } else if (in->message_in_frame.data() != nullptr) {
+    message = in->message_in_frame;
+  }
+  bool parsed =
+      msg->ParseFromArray(message.data(), static_cast<int>(message.size()));
   if (!parsed) {
     return absl::InvalidArgumentError(
         absl::StrCat("message does not parse as ", msg->GetTypeName()));

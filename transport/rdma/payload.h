@@ -103,7 +103,12 @@ struct IncomingPayload {
   // Inline room for a message part and a tensor: a small call's payload
   // costs no allocation for its bookkeeping.
   absl::InlinedVector<Part, 2> parts;
-  std::string message;  // part 0 when it came in the frame
+  // Part 0 when it came in the frame: copied out when another part is
+  // out of band (the call then finishes after the buffer is re-posted),
+  // else viewed in the frame, which the caller finishes before the
+  // receive buffer is re-posted.
+  std::string message;
+  std::string_view message_in_frame;
   // Inline tensor bytes by tensor index (empty when not inline).
   absl::InlinedVector<std::string, 1> inline_tensors;
   // Landing memory of the out-of-band parts, in part order, and the part
@@ -121,16 +126,17 @@ struct IncomingPayload {
   std::string gpu_reason;
 };
 
-// Copies the frame's inline bytes out (the receive buffer is re-posted),
-// checks the announced sizes against `max_tensor_bytes` before allocating,
-// and allocates landing memory for the out-of-band parts: supplied[k] for
-// tensor k when given, else memory where `placement` puts the tensor (per
-// field when the message came in the frame and `prototype` is given). For
-// a GPU, in a direct mode the landing memory is the GPU's; in staging it is
-// a pinned host buffer that FinishPayload copies to the GPU.
-// RESOURCE_EXHAUSTED (budget, memory) and INVALID_ARGUMENT fail the call,
-// not the connection. Fills `in`, which must be empty: in place, since the
-// payload is large to move.
+// Copies the frame's inline bytes out (the receive buffer is re-posted;
+// the message part only when another part is out of band: otherwise
+// FinishPayload must run before `inline_bytes` goes back), checks the announced
+// sizes against `max_tensor_bytes` before allocating, and allocates landing
+// memory for the out-of-band parts: supplied[k] for tensor k when given, else
+// memory where `placement` puts the tensor (per field when the message came in
+// the frame and `prototype` is given). For a GPU, in a direct mode the landing
+// memory is the GPU's; in staging it is a pinned host buffer that FinishPayload
+// copies to the GPU. RESOURCE_EXHAUSTED (budget, memory) and INVALID_ARGUMENT
+// fail the call, not the connection. Fills `in`, which must be empty: in place,
+// since the payload is large to move.
 [[nodiscard]] Status ReceivePayload(
     const google::protobuf::RepeatedPtrField<Part>& parts,
     std::string_view inline_bytes, uint64_t max_tensor_bytes,
