@@ -10,6 +10,7 @@
 #include <span>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "google/protobuf/message.h"
 #include "rdmarpc/memory.h"
 #include "rdmarpc/status.h"
@@ -26,7 +27,8 @@ struct OutgoingTensor {
 };
 
 struct OutgoingPlan {
-  std::vector<OutgoingTensor> tensors;
+  // Inline room for a call's few tensors: no allocation to plan them.
+  absl::InlinedVector<OutgoingTensor, 2> tensors;
   uint64_t total_bytes = 0;  // inline and out of band
 };
 

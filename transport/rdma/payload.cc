@@ -155,9 +155,10 @@ Connection::WriteRequest PartWrite(const Grant& grant, int k,
 // may be a host function: the release (a cudaFree, for one) then runs on a
 // runtime thread.
 std::shared_ptr<std::vector<TensorBuffer>> HoldForWrites(
-    const std::vector<TensorBuffer>& keep) {
+    const KeptBuffers& keep) {
   return std::shared_ptr<std::vector<TensorBuffer>>(
-      new std::vector<TensorBuffer>(keep), [](std::vector<TensorBuffer>* v) {
+      new std::vector<TensorBuffer>(keep.begin(), keep.end()),
+      [](std::vector<TensorBuffer>* v) {
         PostFailures().Post([v] { delete v; });
       });
 }

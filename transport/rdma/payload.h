@@ -48,7 +48,7 @@ struct OutgoingPayload {
   absl::InlinedVector<std::span<const uint8_t>, 4> inline_parts;
   // Parts that travel by RDMA WRITE, in part order.
   std::vector<PartSource> out_of_band;
-  std::vector<TensorBuffer> keep;   // the bound buffers, alive until done
+  KeptBuffers keep;                 // the bound buffers, alive until done
   std::vector<std::string> staged;  // device bytes copied for the frame
   uint64_t tensor_bytes = 0;
   uint64_t cpu_copied_bytes = 0;  // tensor bytes copied into the frame

@@ -27,7 +27,7 @@ class HostMover final : public PayloadMover {
   GpuRdmaMode mode() const override { return GpuRdmaMode::kStaging; }
 
   Status PrepareSource(const TensorBuffer& buffer, PartSource* source,
-                       std::vector<TensorBuffer>*) const override {
+                       KeptBuffers*) const override {
     source->data = buffer.data();
     return absl::OkStatus();
   }
@@ -59,7 +59,7 @@ class GpuDirectMover final : public PayloadMover {
   GpuRdmaMode mode() const override { return mode_; }
 
   Status PrepareSource(const TensorBuffer& buffer, PartSource* source,
-                       std::vector<TensorBuffer>*) const override {
+                       KeptBuffers*) const override {
     source->data = buffer.data();
     return absl::OkStatus();
   }
@@ -100,7 +100,7 @@ class GpuStagingMover final : public PayloadMover {
   GpuRdmaMode mode() const override { return GpuRdmaMode::kStaging; }
 
   Status PrepareSource(const TensorBuffer& buffer, PartSource* source,
-                       std::vector<TensorBuffer>* keep) const override {
+                       KeptBuffers* keep) const override {
     RDMARPC_ASSIGN_OR_RETURN(TensorBuffer pinned,
                              internal::AllocatePinnedStaging(buffer.size()));
     source->data = pinned.data();

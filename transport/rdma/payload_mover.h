@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "rdmarpc/memory.h"
 #include "rdmarpc/status.h"
 #include "rdmarpc/tensor.h"
@@ -31,6 +32,10 @@
 #include "transport/rdma/verbs.h"
 
 namespace rdmarpc::rdma {
+
+// Buffers an outgoing payload holds until its writes are done; a call's
+// few tensors are held without an allocation.
+using KeptBuffers = absl::InlinedVector<TensorBuffer, 2>;
 
 class PayloadMover;
 
@@ -59,9 +64,9 @@ class PayloadMover {
 
   // Sending `buffer` out of band: sets where the NIC reads it. Memory that
   // must live as long as the call goes to `keep`.
-  [[nodiscard]] virtual Status PrepareSource(
-      const TensorBuffer& buffer, PartSource* source,
-      std::vector<TensorBuffer>* keep) const = 0;
+  [[nodiscard]] virtual Status PrepareSource(const TensorBuffer& buffer,
+                                             PartSource* source,
+                                             KeptBuffers* keep) const = 0;
   // Its registration for local reads: host memory through `cache` (reused
   // across calls), GPU memory for this use only.
   [[nodiscard]] virtual StatusOr<LocalMemory> RegisterSource(
