@@ -63,6 +63,7 @@ std::string ChannelTransportStats::ToString() const {
                   " (posted aside: ", rdma_writes_posted_aside, ")",
                   ", unsignaled: ", rdma_frames_unsignaled,
                   " (flush writes: ", rdma_flush_writes, ")",
+                  ", landing windows: ", rdma_landing_windows,
                   ", credit frames: ", rdma_credit_frames_sent,
                   ", waits for credit: ", rdma_waits_for_credit,
                   ", watcher wake-ups: ", rdma_watch_wakeups,

@@ -24,27 +24,41 @@ class FirstFit {
       if (it->second < size) continue;
       size_t offset = it->first;
       size_t left = it->second - size;
-      free_.erase(it);
-      if (left > 0) free_[offset + size] = left;
+      if (left == 0) {
+        free_.erase(it);
+        return offset;
+      }
+      // The rest keeps the node: no allocation per take.
+      auto node = free_.extract(it);
+      node.key() = offset + size;
+      node.mapped() = left;
+      free_.insert(std::move(node));
       return offset;
     }
     return std::nullopt;
   }
 
   // Returns a block taken with Take(size), merging it with its neighbours.
+  // A block next to a free one joins it without a new node.
   void Give(size_t offset, size_t size) {
-    auto [it, inserted] = free_.emplace(offset, size);
-    auto next = std::next(it);
-    if (next != free_.end() && it->first + it->second == next->first) {
-      it->second += next->second;
-      free_.erase(next);
-    }
-    if (it != free_.begin()) {
-      auto prev = std::prev(it);
-      if (prev->first + prev->second == it->first) {
-        prev->second += it->second;
-        free_.erase(it);
+    auto next = free_.lower_bound(offset);
+    auto prev = next == free_.begin() ? free_.end() : std::prev(next);
+    const bool joins_prev =
+        prev != free_.end() && prev->first + prev->second == offset;
+    const bool joins_next = next != free_.end() && offset + size == next->first;
+    if (joins_prev) {
+      prev->second += size;
+      if (joins_next) {
+        prev->second += next->second;
+        free_.erase(next);
       }
+    } else if (joins_next) {
+      auto node = free_.extract(next);
+      node.key() = offset;
+      node.mapped() += size;
+      free_.insert(std::move(node));
+    } else {
+      free_.emplace(offset, size);
     }
   }
 

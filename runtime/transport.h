@@ -93,6 +93,9 @@ struct FastPathCounters {
   uint64_t frames_unsignaled = 0;
   uint64_t flush_writes = 0;
   uint64_t waits_for_credit = 0;
+  // Grants of landing memory through a memory window over the landing
+  // arena (no registration of their own).
+  uint64_t landing_windows = 0;
   // Times the channel's RDMA watcher (deadlines, progress) woke up.
   uint64_t watch_wakeups = 0;
   // Times a blocked caller found completions polling the queue itself.

@@ -328,6 +328,7 @@ ChannelTransportStats TransportRouter::stats() {
     stats.rdma_waits_for_credit = c.waits_for_credit;
     stats.rdma_frames_unsignaled = c.frames_unsignaled;
     stats.rdma_flush_writes = c.flush_writes;
+    stats.rdma_landing_windows = c.landing_windows;
     stats.rdma_watch_wakeups = c.watch_wakeups;
     stats.rdma_caller_polls = c.caller_polls;
     stats.rdma_callback_stalls = c.callback_stalls;

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "runtime/cuda_support.h"
+#include "runtime/first_fit.h"
 #include "transport/rdma/gpu_registration.h"
 
 namespace rdmarpc {
@@ -69,6 +70,30 @@ TEST(HostMemoryPoolTest, AllocatesFreesAndCoalesces) {
   // Both freed and merged: the whole pool is one block again.
   auto all = pool->Allocate(1 << 20);
   EXPECT_TRUE(all.ok()) << all.status();
+}
+
+// Takes are first fit by offset; a block given back merges with a free
+// neighbour before it, after it, or both, so the region ends whole.
+TEST(FirstFitTest, TakesFirstFitAndMergesGivesBothWays) {
+  internal::FirstFit fit(1000);
+  for (size_t at = 0; at < 400; at += 100) EXPECT_EQ(fit.Take(100), at);
+  EXPECT_EQ(fit.Take(601), std::nullopt);  // 600 left, at 400
+  fit.Give(100, 100);                      // a hole, both neighbours taken
+  EXPECT_EQ(fit.Take(50), 100u);           // first fit: the hole
+  fit.Give(100, 50);                       // joins the hole's rest after it
+  fit.Give(0, 100);                        // joins the block after it
+  fit.Give(300, 100);                      // joins the tail after it
+  EXPECT_EQ(fit.Take(201), 300u);          // 0..200 is too small
+  fit.Give(300, 201);
+  fit.Give(200, 100);  // joins the blocks before and after it
+  EXPECT_EQ(fit.Take(1000), 0u);
+  EXPECT_EQ(fit.Take(1), std::nullopt);
+
+  internal::FirstFit tail(300);
+  for (size_t at = 0; at < 300; at += 100) EXPECT_EQ(tail.Take(100), at);
+  tail.Give(0, 100);
+  tail.Give(100, 100);  // joins the block before it
+  EXPECT_EQ(tail.Take(200), 0u);
 }
 
 TEST(CudaTest, UnavailableIsReportedNotFatal) {

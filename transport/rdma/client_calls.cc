@@ -549,12 +549,12 @@ Status ClientEndpoint::OnResponse(const FrameView& frame, Outcomes* outcomes) {
     RunAside([self = shared_from_this(), call_id,
               in = std::make_shared<IncomingPayload>(std::exchange(r.in, {})),
               conn = conn_] {
-      Status registered = RegisterLandingMemory(in.get(), conn->pd());
+      Status registered = RegisterLandingMemory(in.get(), conn.get());
       self->GrantRegistered(call_id, std::move(*in), std::move(registered));
     });
     return absl::OkStatus();
   }
-  Status registered = RegisterLandingMemory(&r.in, conn_->pd());
+  Status registered = RegisterLandingMemory(&r.in, conn_.get());
   if (!registered.ok()) {
     FailResponseLocked(call_id, registered, server_waits, outcomes);
     return absl::OkStatus();
@@ -638,6 +638,17 @@ Status ClientEndpoint::OnWriteLanded(uint32_t immediate) {
     RDMARPC_ASSIGN_OR_RETURN(uint64_t call_id, grants_.Redeem(immediate));
     ClientRecord& r = *calls_.at(call_id);
     r.grant_id = 0;
+    if (r.in.window) {
+      // The grant ends before the caller sees the bytes: once the window's
+      // invalidation completed (on this thread, later), or now if the
+      // connection is closing.
+      r.stage = ClientRecord::Stage::kEndingGrant;
+      // `this` outlives it: the connection holds its handler until after
+      // the last continuation (and it is small enough for no allocation).
+      if (r.in.window.End([this, call_id](Status) { FinishLanded(call_id); })) {
+        return absl::OkStatus();
+      }
+    }
     if (r.landing_aside) {
       // The grant ends before the caller sees the bytes, but unpinning
       // its pages would hold the engine: deregistered aside, finished from

@@ -126,7 +126,8 @@ class ClientEndpoint final
   // From the registration thread (kRegisterAsideBytes): a large response's
   // landing memory is registered (or failed to be) ...
   void GrantRegistered(uint64_t call_id, IncomingPayload in, Status registered);
-  // ... and, once written, deregistered.
+  // ... and, once written, deregistered (there, or a window invalidated
+  // on the polling thread): finishes the call.
   void FinishLanded(uint64_t call_id);
   // Once every response part is in: binds the response and its tensors,
   // ordered before the caller's CUDA stream when it named one.

@@ -2,10 +2,13 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <linux/capability.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <thread>
 #include <utility>
 
@@ -16,6 +19,8 @@
 #include "runtime/spin.h"
 #include "runtime/thread_pool.h"
 #include "transport/rdma/engine.h"
+#include "transport/rdma/landing_arena.h"
+#include "transport/rdma/registration.h"
 
 namespace rdmarpc::rdma {
 namespace {
@@ -69,7 +74,7 @@ StatusOr<std::shared_ptr<Connection>> Connection::Create(
         " exceeds half the peer's receives (", config.peer_receives,
         ") or a quarter of the send queue (", config.send_queue_slots, ")"));
   }
-  if (config.send_queue_slots > kPostedSlotMask) {
+  if (config.send_queue_slots + kWindowWorkRequests > kPostedSlotMask) {
     return absl::InvalidArgumentError(
         absl::StrCat("send_queue_slots ", config.send_queue_slots, " exceeds ",
                      kPostedSlotMask));
@@ -94,13 +99,13 @@ Connection::Connection(ConnectionResources resources,
       config_(config),
       handler_(std::move(handler)),
       window_(WindowOptions(config)),
-      posted_(config.send_queue_slots),
+      posted_(config.send_queue_slots + kWindowWorkRequests),
       signal_interval_(SignalInterval(config)),
       unsignaled_(signal_interval_) {
   for (uint32_t i = 0; i < config.peer_receives; ++i) {
     free_send_buffers_.push_back(static_cast<int>(i));
   }
-  for (uint32_t i = 0; i < config.send_queue_slots; ++i) {
+  for (uint32_t i = 0; i < config.send_queue_slots + kWindowWorkRequests; ++i) {
     free_posted_.push_back(i);
   }
 }
@@ -241,8 +246,8 @@ Status Connection::UnpostedLocked(Status why,
 }
 
 StatusOr<uint64_t> Connection::NextWrIdLocked() {
-  // The window keeps at most send_queue_slots posted, so a slot is free
-  // whenever it lets a request go.
+  // The window keeps at most send_queue_slots posted, and windows at most
+  // kWindowWorkRequests, so a slot is free whenever either lets one go.
   if (free_posted_.empty()) {
     return absl::InternalError("no free slot for a send work request");
   }
@@ -605,15 +610,222 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
       free_send_buffers_.push_back(posted->send_buffer);
     }
     done = std::move(posted->done);
-    uint32_t completed = 1;
+    uint32_t completed = posted->window_op ? 0 : 1;
+    if (posted->window >= 0) {
+      free_windows_.push_back(static_cast<uint32_t>(posted->window));
+    }
     ReleaseUnsignaledLocked(posted->seq, &completed, &sent);
     ForgetPostedLocked(posted);
-    s = window_.OnSendCompleted(completed);
+    if (completed > 0) s = window_.OnSendCompleted(completed);
     if (s.ok() && !closed_.load()) s = PumpLocked();
   }
   for (auto& f : sent) f(absl::OkStatus());
   if (done) done(absl::OkStatus());
   if (!s.ok()) Close(s, "post error");
+}
+
+Connection::WindowGrant& Connection::WindowGrant::operator=(
+    WindowGrant&& o) noexcept {
+  if (this != &o) {
+    End(nullptr);
+    conn_ = std::move(o.conn_);
+    window_ = o.window_;
+    rkey_ = o.rkey_;
+    block_ = std::move(o.block_);
+    o.block_ = TensorBuffer();
+  }
+  return *this;
+}
+
+bool Connection::WindowGrant::End(std::function<void(Status)> done) {
+  if (block_.empty()) return false;
+  std::shared_ptr<Connection> conn = conn_.lock();
+  bool ending = conn != nullptr && conn->EndWindow(*this, std::move(done));
+  // Ending: the invalidation's continuation holds the block now.
+  block_ = TensorBuffer();
+  conn_.reset();
+  return ending;
+}
+
+StatusOr<Connection::WindowGrant> Connection::GrantWindow(TensorBuffer block) {
+  bool set_up = false;
+  StatusOr<WindowGrant> granted = absl::UnavailableError(
+      "the landing arena is being registered on this connection");
+  Status posted;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_.load()) return close_reason_;
+    if (res_.qp.get() == nullptr) {
+      return absl::UnavailableError("RDMA connection closed");
+    }
+    switch (window_state_) {
+      case WindowState::kNotSetUp:
+        window_state_ = WindowState::kSettingUp;
+        set_up = true;
+        break;
+      case WindowState::kSettingUp:
+        break;
+      case WindowState::kUnavailable:
+        granted = windows_unavailable_;
+        break;
+      case WindowState::kReady: {
+        if (free_windows_.empty()) {
+          granted = absl::UnavailableError(absl::StrCat(
+              "all ", kLandingWindows, " landing windows are in use"));
+          break;
+        }
+        const uint32_t index = free_windows_.back();
+        ibv_mw* mw = windows_[index].get();
+        const uint32_t rkey = ibv_inc_rkey(mw->rkey);
+        ibv_send_wr wr{};
+        wr.opcode = IBV_WR_BIND_MW;
+        wr.bind_mw.mw = mw;
+        wr.bind_mw.rkey = rkey;
+        wr.bind_mw.bind_info.mr = arena_mr_.get();
+        wr.bind_mw.bind_info.addr = reinterpret_cast<uintptr_t>(block.data());
+        wr.bind_mw.bind_info.length = block.size();
+        wr.bind_mw.bind_info.mw_access_flags = IBV_ACCESS_REMOTE_WRITE;
+        posted = PostWindowOpLocked(wr, -1, nullptr);
+        if (!posted.ok()) break;
+        free_windows_.pop_back();
+        // The window's key from now on. A type-2 bind posted on the queue
+        // pair leaves updating it to us, and providers (rxe) name the
+        // window by it in the next bind.
+        mw->rkey = rkey;
+        ++counters_.landing_windows;
+        WindowGrant grant;
+        grant.conn_ = weak_from_this();
+        grant.window_ = index;
+        grant.rkey_ = rkey;
+        grant.block_ = std::move(block);
+        granted = std::move(grant);
+        break;
+      }
+    }
+  }
+  if (!posted.ok()) {
+    Close(posted, "post error");
+    return posted;
+  }
+  if (set_up) {
+    RunAside([self = shared_from_this()] { self->SetUpLandingWindows(); });
+  }
+  return granted;
+}
+
+namespace {
+
+// Whether pinning the arena on every connection could eat into the
+// locked-memory budget that user and large-call registrations need: the
+// arena is left out below 1 GiB unless the process may lock any amount.
+Status ArenaFitsLockLimit() {
+  static const bool can_lock_any = [] {
+    std::ifstream status("/proc/self/status");
+    std::string line;
+    while (std::getline(status, line)) {
+      if (line.rfind("CapEff:", 0) != 0) continue;
+      uint64_t caps = std::strtoull(line.c_str() + 7, nullptr, 16);
+      return ((caps >> CAP_IPC_LOCK) & 1) != 0;
+    }
+    return false;
+  }();
+  rlimit limit{};
+  if (can_lock_any || getrlimit(RLIMIT_MEMLOCK, &limit) != 0 ||
+      limit.rlim_cur == RLIM_INFINITY || limit.rlim_cur >= (rlim_t{1} << 30)) {
+    return absl::OkStatus();
+  }
+  return absl::UnavailableError(absl::StrCat(
+      "the locked-memory limit is ", limit.rlim_cur >> 20,
+      " MB: the landing arena is left out below 1 GB, so small landings "
+      "are registered per call (raise `ulimit -l` to use it)"));
+}
+
+}  // namespace
+
+void Connection::SetUpLandingWindows() {
+  MemoryRegion mr;
+  std::vector<MemoryWindow> windows;
+  Status ready = [&]() -> Status {
+    LandingArena* arena = LandingArena::Get();
+    if (arena == nullptr) {
+      return absl::UnavailableError(
+          "the landing arena is off (RDMARPC_RDMA_LANDING_ARENA_BYTES=0)");
+    }
+    ibv_device_attr attr{};
+    if (int rc = ibv_query_device(res_.pd->context, &attr); rc != 0) {
+      return VerbsError("ibv_query_device", rc);
+    }
+    if ((attr.device_cap_flags & IBV_DEVICE_MEM_WINDOW_TYPE_2B) == 0) {
+      return absl::UnimplementedError(absl::StrCat(
+          ibv_get_device_name(res_.pd->context->device),
+          " has no type-2 memory windows: landing memory is registered "
+          "per call"));
+    }
+    RDMARPC_RETURN_IF_ERROR(ArenaFitsLockLimit());
+    RDMARPC_ASSIGN_OR_RETURN(
+        mr, RegisterMemory(res_.pd.get(), arena->base(), arena->size(),
+                           IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND));
+    for (uint32_t i = 0; i < kLandingWindows; ++i) {
+      errno = 0;
+      MemoryWindow mw(ibv_alloc_mw(res_.pd.get(), IBV_MW_TYPE_2));
+      if (mw == nullptr) {
+        return VerbsError("ibv_alloc_mw", errno != 0 ? errno : ENOMEM);
+      }
+      windows.push_back(std::move(mw));
+    }
+    return absl::OkStatus();
+  }();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_.load()) return;  // FinishClose settled the state
+  if (!ready.ok()) {
+    window_state_ = WindowState::kUnavailable;
+    windows_unavailable_ = std::move(ready);
+    return;
+  }
+  arena_mr_ = std::move(mr);
+  for (uint32_t i = 0; i < windows.size(); ++i) free_windows_.push_back(i);
+  windows_ = std::move(windows);
+  window_state_ = WindowState::kReady;
+}
+
+Status Connection::PostWindowOpLocked(ibv_send_wr& wr, int window,
+                                      std::function<void(Status)> done,
+                                      TensorBuffer block) {
+  RDMARPC_ASSIGN_OR_RETURN(wr.wr_id, NextWrIdLocked());
+  wr.send_flags = IBV_SEND_SIGNALED;
+  ibv_send_wr* bad = nullptr;
+  if (int rc = ibv_post_send(res_.qp.get(), &wr, &bad); rc != 0) {
+    return VerbsError(wr.opcode == IBV_WR_BIND_MW
+                          ? "ibv_post_send (bind a landing window)"
+                          : "ibv_post_send (invalidate a landing window)",
+                      rc);
+  }
+  RDMARPC_RETURN_IF_ERROR(TrackPostedLocked(wr.wr_id, -1, std::move(done)));
+  Posted* posted = FindPostedLocked(wr.wr_id);
+  posted->window_op = true;
+  posted->window = window;
+  posted->window_block = std::move(block);
+  return absl::OkStatus();
+}
+
+bool Connection::EndWindow(WindowGrant& grant,
+                           std::function<void(Status)> done) {
+  Status posted;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Closed: rdma_disconnect moved the queue pair to the error state, so
+    // nothing writes through the window any more.
+    if (closed_.load() || res_.qp.get() == nullptr) return false;
+    ibv_send_wr wr{};
+    wr.opcode = IBV_WR_LOCAL_INV;
+    wr.invalidate_rkey = grant.rkey_;
+    posted = PostWindowOpLocked(wr, static_cast<int>(grant.window_),
+                                std::move(done), std::move(grant.block_));
+  }
+  if (posted.ok()) return true;
+  // Not posted: closing the connection takes the queue pair's access.
+  Close(posted, "post error");
+  return false;
 }
 
 Status Connection::CloseReason() const {
@@ -666,6 +878,12 @@ void Connection::FinishClose() {
   Status why = CloseReason();
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // A type-2 window still bound holds its queue pair (rxe then waits
+    // 50 s to destroy it): the windows go first.
+    windows_.clear();
+    free_windows_.clear();
+    window_state_ = WindowState::kUnavailable;
+    windows_unavailable_ = absl::UnavailableError("RDMA connection closed");
     // Once the queue pair is gone the device no longer touches any memory
     // the pending work referenced, so the continuations may release it.
     {

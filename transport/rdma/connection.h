@@ -46,6 +46,7 @@
 
 #include "absl/container/inlined_vector.h"
 #include "google/protobuf/message_lite.h"
+#include "rdmarpc/memory.h"
 #include "rdmarpc/status.h"
 #include "runtime/completion.h"
 #include "runtime/transport.h"
@@ -54,6 +55,13 @@
 #include "transport/rdma/wire.h"
 
 namespace rdmarpc::rdma {
+
+// Memory windows per connection for grants of landing-arena blocks
+// (landing_arena.h), and the send-queue room their binds and
+// invalidations take beside ConnectionConfig::send_queue_slots: a window
+// has at most one bind and one invalidation outstanding.
+inline constexpr uint32_t kLandingWindows = 32;
+inline constexpr uint32_t kWindowWorkRequests = 2 * kLandingWindows;
 
 // Sizes both sides agree on in the handshake.
 struct ConnectionConfig {
@@ -203,6 +211,45 @@ class Connection : public std::enable_shared_from_this<Connection>,
   std::chrono::steady_clock::time_point NotStillBefore(
       std::chrono::steady_clock::time_point now) const;
 
+  // Remote-write access for one grant to a block of the landing arena
+  // (landing_arena.h) through a type-2 memory window of this connection:
+  // only this queue pair can write through it, and only until it ends.
+  // Ending it posts an invalidation; the block goes back to the arena only
+  // once that completed or the queue pair is gone, whoever still holds
+  // views of it. Destroying it ends it too. Move-only.
+  class WindowGrant {
+   public:
+    WindowGrant() = default;
+    WindowGrant(WindowGrant&& o) noexcept { *this = std::move(o); }
+    WindowGrant& operator=(WindowGrant&& o) noexcept;
+    ~WindowGrant() { End(nullptr); }
+
+    explicit operator bool() const { return !block_.empty(); }
+    uint32_t rkey() const { return rkey_; }
+
+    // Ends the access. True: `done` runs once on the polling thread, when
+    // the peer can no longer write through the window (OK), or with the
+    // error that closed the connection (its queue pair is gone then).
+    // False when the connection is closed already: its queue pair no
+    // longer takes writes, and `done` never runs.
+    bool End(std::function<void(Status)> done);
+
+   private:
+    friend class Connection;
+    std::weak_ptr<Connection> conn_;
+    uint32_t window_ = 0;
+    uint32_t rkey_ = 0;
+    TensorBuffer block_;
+  };
+  // Binds a window over `block` (a block of the landing arena) for remote
+  // write; the bind is posted now, so it comes before any frame queued
+  // after this returns (the grant that names it). UNAVAILABLE when this
+  // connection cannot grant windows (yet): the first call starts
+  // registering the arena aside; without type-2 windows on the device, a
+  // locked-memory limit too low for the arena, or every window in use, it
+  // says so. The caller then registers the block for the grant instead.
+  [[nodiscard]] StatusOr<WindowGrant> GrantWindow(TensorBuffer block);
+
   // Counters for tests and stats (waits_for_credit: times a frame or write
   // had to wait for a peer receive or a send slot).
   using Counters = internal::FastPathCounters;
@@ -252,6 +299,13 @@ class Connection : public std::enable_shared_from_this<Connection>,
     // Order of tracking: posts under mu_ are tracked in the order they
     // reach the send queue; a write posted aside reaches it later still.
     uint64_t seq = 0;
+    // A window's bind or invalidation: takes no slot of the credit
+    // window (kWindowWorkRequests), and an invalidation frees its window.
+    bool window_op = false;
+    int window = -1;
+    // An invalidation's landing-arena block: released with the slot, once
+    // the peer can no longer write into it.
+    TensorBuffer window_block = {};
   };
 
   // Polls with polling_ held; true if it found anything.
@@ -290,6 +344,17 @@ class Connection : public std::enable_shared_from_this<Connection>,
   Status PostWritePieceLocked(PendingWrite& write, bool* finished);
   // Poster thread: posts a write piece queued by PostWritePieceLocked.
   void PostAside(ibv_send_wr wr, ibv_sge sge);
+  // Registers the landing arena in this connection's domain and makes its
+  // windows (registration thread; GrantWindow starts it).
+  void SetUpLandingWindows();
+  // Posts a bind or invalidation of window `window` (wr.opcode and its
+  // fields set); `done` runs as for a frame's `sent`, and `block` is held
+  // until then.
+  Status PostWindowOpLocked(ibv_send_wr& wr, int window,
+                            std::function<void(Status)> done,
+                            TensorBuffer block = {});
+  // WindowGrant::End: false when the queue pair no longer takes writes.
+  bool EndWindow(WindowGrant& grant, std::function<void(Status)> done);
   Status CloseReason() const;
   void HandleCompletion(const ibv_wc& wc);
   void Fail(const std::string& what);
@@ -336,6 +401,15 @@ class Connection : public std::enable_shared_from_this<Connection>,
   Status close_reason_;
   const char* close_trigger_ = "";
   Counters counters_;
+  // The landing arena's registration here and its windows, set up aside
+  // on first use (SetUpLandingWindows). Declared after res_, so they go
+  // before the protection domain.
+  enum class WindowState { kNotSetUp, kSettingUp, kReady, kUnavailable };
+  WindowState window_state_ = WindowState::kNotSetUp;
+  Status windows_unavailable_;  // why, in kUnavailable
+  MemoryRegion arena_mr_;
+  std::vector<MemoryWindow> windows_;
+  std::vector<uint32_t> free_windows_;
 };
 
 }  // namespace rdmarpc::rdma

@@ -115,8 +115,8 @@ StatusOr<ConnectionResources> BuildResources(SharedEventChannel events, CmId id,
   if (r.completions == nullptr) {
     return VerbsError("ibv_create_comp_channel", errno != 0 ? errno : EIO);
   }
-  int cq_entries =
-      static_cast<int>(config->send_queue_slots + config->receives);
+  int cq_entries = static_cast<int>(config->send_queue_slots +
+                                    kWindowWorkRequests + config->receives);
   RDMARPC_ASSIGN_OR_RETURN(r.cq,
                            CreateCq(device, cq_entries, r.completions.get()));
   size_t receive_total = size_t{config->receives} * config->receive_bytes;
@@ -131,7 +131,7 @@ StatusOr<ConnectionResources> BuildResources(SharedEventChannel events, CmId id,
       r.send_mr,
       RegisterMemory(r.pd.get(), r.send_buffers.get(), send_total, 0));
   QpCaps caps;
-  caps.max_send_wr = config->send_queue_slots;
+  caps.max_send_wr = config->send_queue_slots + kWindowWorkRequests;
   caps.max_recv_wr = config->receives;
   RDMARPC_ASSIGN_OR_RETURN(
       r.qp, CreateRcQp(r.id.get(), r.pd.get(), r.cq.get(), caps));

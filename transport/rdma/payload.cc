@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "runtime/tensor_walk.h"
 #include "runtime/thread_pool.h"
+#include "transport/rdma/landing_arena.h"
 #include "transport/rdma/registration.h"
 
 namespace rdmarpc::rdma {
@@ -310,9 +311,44 @@ Status ReceivePayload(const google::protobuf::RepeatedPtrField<Part>& parts,
       }
     }
   }
+  // Small landings in host memory share one block of the landing arena,
+  // granted through a memory window (RegisterLandingMemory).
+  auto lands_in_arena = [&](size_t i) {
+    return in.parts[i].out_of_band() &&
+           (i == 0 || (devices[i - 1].is_host() &&
+                       (i - 1 >= supplied.size() || supplied[i - 1].empty())));
+  };
+  uint64_t out_of_band_bytes = 0;
+  size_t arena_bytes = 0;
+  for (size_t i = 0; i < in.parts.size(); ++i) {
+    if (!in.parts[i].out_of_band()) continue;
+    out_of_band_bytes += in.parts[i].size();
+    if (lands_in_arena(i)) {
+      arena_bytes += (in.parts[i].size() + LandingArena::kAlignment - 1) /
+                     LandingArena::kAlignment * LandingArena::kAlignment;
+    }
+  }
+  LandingArena* arena = LandingArena::Get();
+  if (arena != nullptr && arena_bytes > 0 &&
+      out_of_band_bytes < kRegisterAsideBytes) {
+    if (auto block = arena->Allocate(arena_bytes)) {
+      in.arena_block = *std::move(block);
+    }
+  }
+  size_t arena_offset = 0;
   for (size_t i = 0; i < in.parts.size(); ++i) {
     const Part& p = in.parts[i];
     if (!p.out_of_band()) continue;
+    if (!in.arena_block.empty() && lands_in_arena(i)) {
+      in.landing.push_back(in.arena_block.Slice(arena_offset, p.size()));
+      arena_offset += (p.size() + LandingArena::kAlignment - 1) /
+                      LandingArena::kAlignment * LandingArena::kAlignment;
+      in.landing_part.push_back(i);
+      in.landing_movers.push_back(ChooseMover(Device::Host(), gpu).mover);
+      in.staged_to.emplace_back();
+      in.staged_device.push_back(Device::Host());
+      continue;
+    }
     TensorBuffer supplied_buffer;
     Device device = i == 0 ? Device::Host() : devices[i - 1];
     if (i > 0 && i - 1 < supplied.size() && !supplied[i - 1].empty()) {
@@ -347,11 +383,32 @@ Status ReceivePayload(const google::protobuf::RepeatedPtrField<Part>& parts,
   return absl::OkStatus();
 }
 
-Status RegisterLandingMemory(IncomingPayload* in, ibv_pd* pd) {
+namespace {
+
+bool InBlock(const TensorBuffer& block, const TensorBuffer& part) {
+  const auto* begin = static_cast<const char*>(block.data());
+  const auto* at = static_cast<const char*>(part.data());
+  return !block.empty() && at >= begin && at < begin + block.size();
+}
+
+}  // namespace
+
+Status RegisterLandingMemory(IncomingPayload* in, Connection* conn) {
+  if (!in->arena_block.empty()) {
+    // Without a window (none free, or none on this device) the block is
+    // registered per call like any other landing memory.
+    StatusOr<Connection::WindowGrant> window =
+        conn->GrantWindow(in->arena_block);
+    if (window.ok()) in->window = *std::move(window);
+  }
   for (size_t k = 0; k < in->landing.size(); ++k) {
+    if (in->window && InBlock(in->arena_block, in->landing[k])) {
+      in->landing_mrs.emplace_back();  // the window grants it
+      continue;
+    }
     RDMARPC_ASSIGN_OR_RETURN(
         MemoryRegion mr,
-        in->landing_movers[k]->RegisterLanding(pd, in->landing[k]));
+        in->landing_movers[k]->RegisterLanding(conn->pd(), in->landing[k]));
     in->landing_mrs.push_back(std::move(mr));
   }
   return absl::OkStatus();
@@ -361,7 +418,7 @@ void AddGrantRegions(const IncomingPayload& in, Grant* grant) {
   for (size_t k = 0; k < in.landing.size(); ++k) {
     Region* r = grant->add_regions();
     r->set_addr(reinterpret_cast<uintptr_t>(in.landing[k].data()));
-    r->set_rkey(in.landing_mrs[k]->rkey);
+    r->set_rkey(in.landing_mrs[k] ? in.landing_mrs[k]->rkey : in.window.rkey());
     r->set_length(in.landing[k].size());
   }
 }
@@ -388,6 +445,10 @@ StatusOr<internal::IncomingResult> FinishPayload(
     std::shared_ptr<const void> owner, CallTensors* tensors,
     const internal::ConsumerStream* consumer) {
   // The grant ends here: the peer can no longer write into this memory.
+  // A window is ended before (it takes a completion), by the endpoint.
+  if (in->window) {
+    return absl::InternalError("landed bytes read while their window is open");
+  }
   in->landing_mrs.clear();
   // Staged parts: their GPU destination is bound now and filled last, once
   // every check has passed, so that no copy is in flight on an error.

@@ -115,7 +115,13 @@ struct IncomingPayload {
   // index of each.
   std::vector<TensorBuffer> landing;
   std::vector<size_t> landing_part;
+  // Per landing: its registration, or null where `window` grants it.
   std::vector<MemoryRegion> landing_mrs;
+  // The landing-arena block that small host landings share, and the
+  // window that grants it (when the connection had one free). The
+  // endpoint ends the window before FinishPayload reads the bytes.
+  TensorBuffer arena_block;
+  Connection::WindowGrant window;
   // Per landing: how its bytes move (payload_mover.h).
   std::vector<const PayloadMover*> landing_movers;
   // Per landing: for a pinned staging buffer, the GPU buffer the bytes go
@@ -145,8 +151,11 @@ struct IncomingPayload {
     const google::protobuf::Message* prototype, const GpuAccess& gpu,
     IncomingPayload* in);
 
-// Registers in.landing for remote write (the grant's lifetime).
-[[nodiscard]] Status RegisterLandingMemory(IncomingPayload* in, ibv_pd* pd);
+// Grants in.landing remote write for the grant's lifetime: the arena
+// block through a window of `conn` where one is free, the rest (or all)
+// registered per call.
+[[nodiscard]] Status RegisterLandingMemory(IncomingPayload* in,
+                                           Connection* conn);
 
 // Regions for a grant of `in.landing`.
 void AddGrantRegions(const IncomingPayload& in, Grant* grant);

@@ -229,6 +229,7 @@ RdmaServerStats RdmaServerTransport::stats() const {
   s.connections_accepted = shared_->accepted.load();
   s.connects_refused = shared_->refused.load();
   s.protocol_errors = shared_->protocol_errors.load();
+  s.landing_windows = shared_->landing_windows.load();
   return s;
 }
 

@@ -286,18 +286,19 @@ Status ServerEndpoint::AdmitRequest(const FrameView& frame) {
       // Fault injection: a test holds the registration thread here.
       internal::fault::HoldWhileArmed("rdma.server.hold_registration",
                                       "rdma.server.registration_held");
-      Status registered = RegisterLandingMemory(in.get(), conn->pd());
+      Status registered = RegisterLandingMemory(in.get(), conn.get());
       self->GrantRegistered(call_id, state, std::move(*in),
                             std::move(registered));
     });
     return absl::OkStatus();
   }
-  Status registered = RegisterLandingMemory(&r.in, conn_->pd());
+  Status registered = RegisterLandingMemory(&r.in, conn_.get());
   if (!registered.ok()) {
     // Nothing ran: the client may carry the call over gRPC instead.
     FailLocked(call_id, registered, /*not_executed=*/true);
     return absl::OkStatus();
   }
+  if (r.in.window) shared_->landing_windows.fetch_add(1);
   GrantLocked(call_id);
   return absl::OkStatus();
 }
@@ -339,7 +340,7 @@ void ServerEndpoint::GrantRegistered(
   GrantLocked(call_id);
 }
 
-void ServerEndpoint::DispatchAside(
+void ServerEndpoint::DispatchAfterGrant(
     uint64_t call_id, const std::shared_ptr<internal::ServerCallState>& state) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -361,6 +362,27 @@ Status ServerEndpoint::LandWrite(uint32_t immediate) {
   if (r.stage != ServerRecord::Stage::kAwaitRequestData) {
     return absl::InvalidArgumentError("write landed for a running call");
   }
+  if (r.in.window) {
+    // The grant ends before the handler reads the bytes: once the
+    // window's invalidation completed (on this thread, later), or now if
+    // the connection is closing.
+    r.stage = ServerRecord::Stage::kEndingGrant;
+    // `this` outlives it: the connection holds its handler until after the
+    // last continuation (and it is small enough for no allocation).
+    if (r.in.window.End([this, call_id](Status) {
+          std::shared_ptr<internal::ServerCallState> state;
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            auto it = calls_.find(call_id);
+            if (it == calls_.end()) return;
+            state = it->second->state;
+          }
+          DispatchAfterGrant(call_id, state);
+        })) {
+      return absl::OkStatus();
+    }
+    r.stage = ServerRecord::Stage::kAwaitRequestData;
+  }
   if (r.landing_aside) {
     // The grant ends before the handler reads the bytes, but unpinning
     // its pages would hold the engine: deregistered aside, dispatched from
@@ -371,7 +393,7 @@ Status ServerEndpoint::LandWrite(uint32_t immediate) {
                   std::move(r.in.landing_mrs)),
               conn = conn_] {
       mrs->clear();
-      self->DispatchAside(call_id, state);
+      self->DispatchAfterGrant(call_id, state);
     });
     return absl::OkStatus();
   }

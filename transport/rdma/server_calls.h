@@ -50,6 +50,7 @@ struct ServerShared {
   std::atomic<uint64_t> accepted{0};
   std::atomic<uint64_t> refused{0};
   std::atomic<uint64_t> protocol_errors{0};
+  std::atomic<uint64_t> landing_windows{0};
   std::shared_ptr<LandingPool> landing;
 };
 
@@ -101,9 +102,11 @@ class ServerEndpoint final
   void GrantRegistered(uint64_t call_id,
                        const std::shared_ptr<internal::ServerCallState>& state,
                        IncomingPayload in, Status registered);
-  // ... and, once written, deregistered.
-  void DispatchAside(uint64_t call_id,
-                     const std::shared_ptr<internal::ServerCallState>& state);
+  // ... and, once written, deregistered (there, or a window invalidated
+  // on the polling thread): dispatches the call.
+  void DispatchAfterGrant(
+      uint64_t call_id,
+      const std::shared_ptr<internal::ServerCallState>& state);
   // The call's record if it may still be answered. Else null, the call
   // ended: a logged call's outcome kept for its re-send when disconnected,
   // or an error response sent (deadline passed, handler error in `status`,

@@ -56,6 +56,14 @@ using CompletionChannel =
     std::unique_ptr<ibv_comp_channel, VerbsDeleter<ibv_destroy_comp_channel>>;
 using CompletionQueue = std::unique_ptr<ibv_cq, VerbsDeleter<ibv_destroy_cq>>;
 using MemoryRegion = std::unique_ptr<ibv_mr, VerbsDeleter<ibv_dereg_mr>>;
+// ibv_dealloc_mw is a static inline function: wrapped, so the handle's
+// type has external linkage.
+struct MemoryWindowDeleter {
+  void operator()(ibv_mw* mw) const {
+    if (mw != nullptr) (void)ibv_dealloc_mw(mw);
+  }
+};
+using MemoryWindow = std::unique_ptr<ibv_mw, MemoryWindowDeleter>;
 
 // A queue pair created on a CM id with rdma_create_qp, destroyed with
 // rdma_destroy_qp. The id must outlive it.

@@ -168,6 +168,9 @@ struct ChannelTransportStats {
   // connection went quiet.
   uint64_t rdma_frames_unsignaled = 0;
   uint64_t rdma_flush_writes = 0;
+  // Responses whose small tensors landed in the pre-registered landing
+  // arena through a memory window (no registration of their own).
+  uint64_t rdma_landing_windows = 0;
   // Times the channel's RDMA watcher woke: every 50 ms while calls are
   // outstanding, never while the channel is idle.
   uint64_t rdma_watch_wakeups = 0;

@@ -154,6 +154,10 @@ struct RdmaServerStats {
   uint64_t connects_refused = 0;
   // Connections closed because the peer broke the protocol.
   uint64_t protocol_errors = 0;
+  // Requests whose small tensors landed in the pre-registered landing
+  // arena, granted through a memory window instead of a registration of
+  // their own (none where the device has no type-2 windows).
+  uint64_t landing_windows = 0;
 };
 
 // What the call log that makes re-sent calls run once has done, over both

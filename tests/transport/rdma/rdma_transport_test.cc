@@ -136,6 +136,23 @@ bool EchoOnce(E2E::Stub* stub, size_t size, uint32_t seed) {
          std::memcmp(out->data(), bytes.data(), size) == 0;
 }
 
+// 8 threads make 8 echoes each, call i of a thread with size_of(i) bytes;
+// how many came back byte-exact over RDMA.
+int EchoFromEightThreads(E2E::Stub* stub, size_t (*size_of)(int i),
+                         uint32_t first_seed) {
+  std::atomic<int> ok{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 8; ++i) {
+        if (EchoOnce(stub, size_of(i), first_seed + t * 8 + i)) ++ok;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return ok.load();
+}
+
 TEST(RdmaTransport, TwoHundredFiftySixCallsInFlightOnOneConnection) {
   Service service;
   int port = 0;
@@ -195,18 +212,52 @@ TEST(RdmaTransport, InlineHandlersServeSentAndWrittenTensors) {
   // In the SEND, then written into a grant (dispatched when the write lands).
   EXPECT_TRUE(EchoOnce(stub.get(), 100, 1));
   EXPECT_TRUE(EchoOnce(stub.get(), (1 << 20) + 3, 2));
-  std::atomic<int> ok{0};
-  std::vector<std::thread> threads;
-  for (int t = 0; t < 8; ++t) {
-    threads.emplace_back([&, t] {
-      for (int i = 0; i < 8; ++i) {
-        if (EchoOnce(stub.get(), i % 2 ? 70000 : 200, 100 + t * 8 + i)) ++ok;
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  EXPECT_EQ(ok.load(), 64);
+  EXPECT_EQ(
+      EchoFromEightThreads(
+          stub.get(), [](int i) -> size_t { return i % 2 ? 70000 : 200; }, 100),
+      64);
   EXPECT_EQ(service.echo_calls.load(), 66);
+}
+
+// Small written tensors land in the pre-registered landing arena, granted
+// through memory windows, once a connection has set them up (aside, after
+// its first landing): both ways, byte-exact, with calls in flight that
+// hold windows at once.
+TEST(RdmaTransport, SmallTensorsLandInTheArenaThroughWindows) {
+  Service service;
+  int port = 0;
+  auto server = StartInlineServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  auto channel = RdmaChannel(port);
+  auto stub = E2E::NewStub(channel);
+  auto windows_used = [&] {
+    return channel->transport_stats().rdma_landing_windows > 0 &&
+           server->rdma_stats().landing_windows > 0;
+  };
+  // The setup is registration work off the engine: wait for its outcome.
+  const auto give_up =
+      std::chrono::steady_clock::now() + std::chrono::minutes(2);
+  uint32_t seed = 1;
+  while (!windows_used() && std::chrono::steady_clock::now() < give_up) {
+    ASSERT_TRUE(EchoOnce(stub.get(), 70000, seed++));
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(windows_used())
+      << "client windows " << channel->transport_stats().rdma_landing_windows
+      << ", server windows " << server->rdma_stats().landing_windows;
+  const uint64_t client_before =
+      channel->transport_stats().rdma_landing_windows;
+  const uint64_t server_before = server->rdma_stats().landing_windows;
+  // Over the inline threshold (24 KiB), under the arena's 1 MiB per call.
+  EXPECT_EQ(EchoFromEightThreads(
+                stub.get(),
+                [](int i) -> size_t { return 40000 + 4099 * size_t(i); }, 1000),
+            64);
+  // 8 callers hold at most 8 of a connection's 32 windows per side: every
+  // one of these calls had one.
+  EXPECT_EQ(channel->transport_stats().rdma_landing_windows - client_before,
+            64u);
+  EXPECT_EQ(server->rdma_stats().landing_windows - server_before, 64u);
 }
 
 // A handler that blocks on the engine is counted, so it can be found.
@@ -765,10 +816,12 @@ class RecordingHandler final : public rdmarpc::rdma::Connection::Handler {
 
 // A hand-built Echo request whose message declares one u8 tensor of 4096
 // bytes; the caller adds the tensor's part. `message` receives part 0.
-rdmarpc::rdma::RequestHead EchoHead(uint64_t call_id, std::string* message) {
+rdmarpc::rdma::RequestHead EchoHead(uint64_t call_id, std::string* message,
+                                    int fail_code = 0) {
   EchoRequest msg;
   msg.mutable_tensor()->set_dtype(rdmarpc::DTYPE_U8);
   msg.mutable_tensor()->add_shape(4096);
+  msg.set_fail_code(fail_code);
   *message = msg.SerializeAsString();
   rdmarpc::rdma::RequestHead head;
   head.set_call_id(call_id);
@@ -809,6 +862,62 @@ class ForgedPeerTest : public ::testing::Test {
         config, std::move(handler), std::chrono::seconds(5));
   }
 
+  // Sends Echo request `id` whose 4096-byte tensor is to be written
+  // (fail_code 1: answered with a checksum, nothing written back) and
+  // returns the server's grant for it.
+  static rdmarpc::StatusOr<rdmarpc::rdma::Grant> RequestWrittenEcho(
+      rdmarpc::rdma::Connection& conn, RecordingHandler& handler, uint64_t id,
+      int fail_code = 0) {
+    std::string message;
+    rdmarpc::rdma::RequestHead head = EchoHead(id, &message, fail_code);
+    auto* part = head.add_parts();
+    part->set_out_of_band(true);
+    part->set_size(4096);
+    std::span<const uint8_t> inline_part(
+        reinterpret_cast<const uint8_t*>(message.data()), message.size());
+    RDMARPC_RETURN_IF_ERROR(conn.SendFrame(rdmarpc::rdma::FrameType::kRequest,
+                                           &head, std::span(&inline_part, 1)));
+    auto [type, grant_head] = handler.Next();
+    rdmarpc::rdma::Grant grant;
+    if (type != rdmarpc::rdma::FrameType::kGrant ||
+        !grant.ParseFromString(grant_head) || grant.regions_size() != 1) {
+      return absl::InternalError("no grant of one region came back");
+    }
+    return grant;
+  }
+
+  // Writes 4096 bytes of `source` (registered as `mr`) at `offset` into the
+  // grant's region. A forged write fails with a remote access error; once
+  // in a CI run (soft-RoCE) it neither completed nor was retried and the
+  // server saw nothing for 250 s: a raw connection has no progress watch
+  // (a channel's would close it), so after 30 s this closes it, and the
+  // write must fail all the same.
+  static rdmarpc::Status WriteIntoGrant(rdmarpc::rdma::Connection& conn,
+                                        const rdmarpc::rdma::MemoryRegion& mr,
+                                        const void* source,
+                                        const rdmarpc::rdma::Grant& grant,
+                                        uint64_t offset,
+                                        std::optional<uint32_t> immediate) {
+    auto written = std::make_shared<std::promise<rdmarpc::Status>>();
+    RDMARPC_RETURN_IF_ERROR(
+        conn.Write({.local = source,
+                    .lkey = mr->lkey,
+                    .remote_addr = grant.regions(0).addr() + offset,
+                    .rkey = grant.regions(0).rkey(),
+                    .length = 4096,
+                    .immediate = immediate,
+                    .on_piece = nullptr},
+                   [written](rdmarpc::Status s) { written->set_value(s); }));
+    auto result = written->get_future();
+    if (result.wait_for(std::chrono::seconds(30)) !=
+        std::future_status::ready) {
+      std::cout << "note: the device did not complete the write in 30 s; "
+                   "closing the connection\n";
+      conn.Close(absl::CancelledError("the test gave up on the write"));
+    }
+    return result.get();
+  }
+
   // A normal client still gets served.
   void ExpectServerStillServes() {
     auto stub = E2E::NewStub(RdmaChannel(port_));
@@ -846,54 +955,59 @@ TEST_F(ForgedPeerTest, WriteOutsideTheGrantFailsOnlyThatConnection) {
   auto handler = std::make_shared<RecordingHandler>();
   auto conn = Connect(hello, hello.token(), handler);
   ASSERT_TRUE(conn.ok()) << conn.status();
-  // A request for Echo with one 4096-byte tensor sent out of band.
-  std::string message;
-  rdmarpc::rdma::RequestHead head = EchoHead(1, &message);
-  auto* part = head.add_parts();
-  part->set_out_of_band(true);
-  part->set_size(4096);
-  std::span<const uint8_t> inline_part(
-      reinterpret_cast<const uint8_t*>(message.data()), message.size());
-  ASSERT_TRUE((*conn)
-                  ->SendFrame(rdmarpc::rdma::FrameType::kRequest, &head,
-                              std::span(&inline_part, 1))
-                  .ok());
-  auto [type, grant_head] = handler->Next();
-  ASSERT_EQ(type, rdmarpc::rdma::FrameType::kGrant);
-  rdmarpc::rdma::Grant grant;
-  ASSERT_TRUE(grant.ParseFromString(grant_head));
-  ASSERT_EQ(grant.regions_size(), 1);
+  auto grant = RequestWrittenEcho(**conn, *handler, 1);
+  ASSERT_TRUE(grant.ok()) << grant.status();
   // Write past the end of the granted region.
-  std::vector<uint8_t> bytes(8192, 0xab);
+  std::vector<uint8_t> bytes(4096, 0xab);
   auto mr = rdmarpc::rdma::RegisterMemory((*conn)->pd(), bytes.data(),
                                           bytes.size(), 0);
   ASSERT_TRUE(mr.ok());
-  std::promise<rdmarpc::Status> written;
-  ASSERT_TRUE((*conn)
-                  ->Write({.local = bytes.data(),
-                           .lkey = (*mr)->lkey,
-                           .remote_addr = grant.regions(0).addr() + 4096,
-                           .rkey = grant.regions(0).rkey(),
-                           .length = 4096,
-                           .immediate = grant.grant_id(),
-                           .on_piece = nullptr},
-                          [&](rdmarpc::Status s) { written.set_value(s); })
-                  .ok());
-  auto result = written.get_future();
-  // The device answers the write with a remote access error. Once in a CI
-  // run (soft-RoCE), the write neither completed nor was retried and the
-  // server saw nothing for 250 s; a raw connection has no progress watch
-  // (a channel's would close it), so the test closes it: the write must
-  // then fail all the same.
-  if (result.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
-    std::cout << "note: the device did not complete the forged write in "
-                 "30 s; closing the connection\n";
-    (*conn)->Close(absl::CancelledError("the test gave up on the write"));
-  }
-  rdmarpc::Status s = result.get();
-  EXPECT_FALSE(s.ok());
+  EXPECT_FALSE(
+      WriteIntoGrant(**conn, *mr, bytes.data(), *grant, 4096, grant->grant_id())
+          .ok());
   EXPECT_TRUE(handler->WaitClosed());
   EXPECT_EQ(service_.echo_calls.load(), 0);
+  ExpectServerStillServes();
+}
+
+// A grant through a memory window ends with its call: writing through it
+// again afterwards fails on the device, and only that connection closes.
+TEST_F(ForgedPeerTest, AWindowGrantEndsWithItsCall) {
+  rdmarpc::rdma::HelloResponse hello = Hello();
+  auto handler = std::make_shared<RecordingHandler>();
+  auto conn = Connect(hello, hello.token(), handler);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  std::vector<uint8_t> bytes(4096, 0x5a);
+  auto mr = rdmarpc::rdma::RegisterMemory((*conn)->pd(), bytes.data(),
+                                          bytes.size(), 0);
+  ASSERT_TRUE(mr.ok());
+  // Calls whose tensor is written, answered with a checksum, until one was
+  // granted through a window (the connection sets them up aside).
+  rdmarpc::rdma::Grant grant;
+  int calls = 0;
+  const auto give_up =
+      std::chrono::steady_clock::now() + std::chrono::minutes(2);
+  for (uint64_t id = 1; std::chrono::steady_clock::now() < give_up; ++id) {
+    const uint64_t windows_before = server_->rdma_stats().landing_windows;
+    auto granted = RequestWrittenEcho(**conn, *handler, id, /*fail_code=*/1);
+    ASSERT_TRUE(granted.ok()) << granted.status();
+    grant = *granted;
+    ASSERT_TRUE(
+        WriteIntoGrant(**conn, *mr, bytes.data(), grant, 0, grant.grant_id())
+            .ok());
+    ASSERT_EQ(handler->Next().first, rdmarpc::rdma::FrameType::kResponse);
+    ++calls;
+    if (server_->rdma_stats().landing_windows > windows_before) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_GT(server_->rdma_stats().landing_windows, 0u);
+  EXPECT_EQ(service_.echo_calls.load(), calls);
+  // The call was answered, and its window invalidated before its handler
+  // ran: the same region and key take no more bytes.
+  EXPECT_FALSE(
+      WriteIntoGrant(**conn, *mr, bytes.data(), grant, 0, std::nullopt).ok());
+  EXPECT_TRUE(handler->WaitClosed());
+  EXPECT_EQ(service_.echo_calls.load(), calls);
   ExpectServerStillServes();
 }
 
