@@ -1,7 +1,10 @@
 #include "transport/rdma/landing_arena.h"
 
+#include <sys/mman.h>
+
+#include <algorithm>
 #include <cstdlib>
-#include <string>
+#include <cstring>
 
 namespace rdmarpc::rdma {
 
@@ -14,16 +17,17 @@ LandingArena* LandingArena::Get() {
     }
     bytes = (bytes + 4095) / 4096 * 4096;
     if (bytes == 0) return nullptr;
-    void* base = std::aligned_alloc(4096, bytes);
-    if (base == nullptr) return nullptr;
+    // Mapped afresh, so it starts zeroed (see Allocate).
+    void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) return nullptr;
     return new LandingArena(static_cast<char*>(base), bytes);
   }();
   return arena;
 }
 
 std::optional<TensorBuffer> LandingArena::Allocate(size_t size) {
-  size_t rounded = (size + kAlignment - 1) / kAlignment * kAlignment;
-  if (rounded == 0) rounded = kAlignment;
+  const size_t rounded = std::max(Rounded(size), kAlignment);
   std::optional<size_t> offset;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -32,6 +36,8 @@ std::optional<TensorBuffer> LandingArena::Allocate(size_t size) {
   if (!offset) return std::nullopt;
   std::shared_ptr<const void> owner(base_ + *offset,
                                     [this, at = *offset, rounded](const void*) {
+                                      // Zeroed for the next call (header).
+                                      std::memset(base_ + at, 0, rounded);
                                       std::lock_guard<std::mutex> lock(mu_);
                                       fit_.Give(at, rounded);
                                     });

@@ -10,6 +10,10 @@
 //   // nullopt: full, land in memory of the call's own instead
 //   // the block returns when its last TensorBuffer goes
 //
+// Every block reads as zero where no peer wrote: the arena starts zeroed
+// and a block is cleared when it returns, so a peer that writes less than
+// its grant never shows the reader an earlier call's bytes.
+//
 // Thread-safe.
 #ifndef RDMARPC_TRANSPORT_RDMA_LANDING_ARENA_H_
 #define RDMARPC_TRANSPORT_RDMA_LANDING_ARENA_H_
@@ -28,6 +32,10 @@ class LandingArena {
   // Blocks are aligned to this many bytes, and so is each part placed in
   // one (payload.cc).
   static constexpr size_t kAlignment = 64;
+  // `size` rounded up to kAlignment: the room a part takes in a block.
+  static constexpr size_t Rounded(size_t size) {
+    return (size + kAlignment - 1) / kAlignment * kAlignment;
+  }
 
   // The process's arena, created on first use and never destroyed (landed
   // tensors may outlive everything else): RDMARPC_RDMA_LANDING_ARENA_BYTES

@@ -324,8 +324,7 @@ Status ReceivePayload(const google::protobuf::RepeatedPtrField<Part>& parts,
     if (!in.parts[i].out_of_band()) continue;
     out_of_band_bytes += in.parts[i].size();
     if (lands_in_arena(i)) {
-      arena_bytes += (in.parts[i].size() + LandingArena::kAlignment - 1) /
-                     LandingArena::kAlignment * LandingArena::kAlignment;
+      arena_bytes += LandingArena::Rounded(in.parts[i].size());
     }
   }
   LandingArena* arena = LandingArena::Get();
@@ -341,8 +340,7 @@ Status ReceivePayload(const google::protobuf::RepeatedPtrField<Part>& parts,
     if (!p.out_of_band()) continue;
     if (!in.arena_block.empty() && lands_in_arena(i)) {
       in.landing.push_back(in.arena_block.Slice(arena_offset, p.size()));
-      arena_offset += (p.size() + LandingArena::kAlignment - 1) /
-                      LandingArena::kAlignment * LandingArena::kAlignment;
+      arena_offset += LandingArena::Rounded(p.size());
       in.landing_part.push_back(i);
       in.landing_movers.push_back(ChooseMover(Device::Host(), gpu).mover);
       in.staged_to.emplace_back();

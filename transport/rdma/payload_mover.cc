@@ -1,5 +1,9 @@
 #include "transport/rdma/payload_mover.h"
 
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -9,16 +13,31 @@
 namespace rdmarpc::rdma {
 namespace {
 
-// Host landing memory; once large, its pages are unmapped aside (see
-// kRegisterAsideBytes) wherever its last user lets it go.
+constexpr size_t kPageBytes = 4096;
+
+// Host landing memory, zeroed: a peer that writes less than its grant and
+// announces it done must not show the reader what an earlier call (of any
+// peer) left in the same memory. Small blocks come from the heap and are
+// cleared; large ones are mapped afresh, which the kernel zeroes, and
+// unmapped aside (see kRegisterAsideBytes) wherever their last user lets
+// them go.
 StatusOr<TensorBuffer> AllocateHostLanding(uint64_t size) {
-  RDMARPC_ASSIGN_OR_RETURN(TensorBuffer buffer, TensorBuffer::Allocate(size));
-  if (size < kRegisterAsideBytes) return buffer;
-  void* data = buffer.data();
-  std::shared_ptr<const void> owner(
-      data, [held = std::move(buffer)](const void*) mutable {
-        RunAside([last = std::move(held)] {});
-      });
+  if (size < kRegisterAsideBytes) {
+    RDMARPC_ASSIGN_OR_RETURN(TensorBuffer buffer, TensorBuffer::Allocate(size));
+    std::memset(buffer.data(), 0, size);
+    return buffer;
+  }
+  const size_t mapped = (size + kPageBytes - 1) / kPageBytes * kPageBytes;
+  void* data = mmap(nullptr, mapped, PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (data == MAP_FAILED) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot map ", size,
+        " bytes of host memory to land a tensor in: ", std::strerror(errno)));
+  }
+  std::shared_ptr<const void> owner(data, [mapped](const void* p) {
+    RunAside([p, mapped] { munmap(const_cast<void*>(p), mapped); });
+  });
   return TensorBuffer::Share(std::move(owner), data, size, Device::Host());
 }
 

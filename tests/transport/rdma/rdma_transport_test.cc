@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <pthread.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
@@ -53,11 +54,16 @@ class Service final : public E2E::Service {
     if (!req.has_tensor()) return absl::OkStatus();
     RDMARPC_ASSIGN_OR_RETURN(rdmarpc::TensorView in,
                              ctx->tensors().Get(req.tensor()));
+    const auto* p = static_cast<const uint8_t*>(in.data());
     if (req.fail_code() == 1) {  // checksum instead of echo
       uint64_t sum = 0;
-      const auto* p = static_cast<const uint8_t*>(in.data());
       for (size_t i = 0; i < in.size(); i += 4096) sum += p[i] * (i + 1);
       resp->set_note(std::to_string(sum));
+      return absl::OkStatus();
+    }
+    if (req.fail_code() == 3) {  // counts the non-zero bytes, no echo
+      std::lock_guard<std::mutex> lock(mu);
+      nonzero_bytes.push_back(in.size() - std::count(p, p + in.size(), 0));
       return absl::OkStatus();
     }
     return ctx->tensors().Set(resp->mutable_tensor(), in);
@@ -69,6 +75,8 @@ class Service final : public E2E::Service {
     return absl::OkStatus();
   }
   std::atomic<int> echo_calls{0};
+  std::mutex mu;
+  std::vector<size_t> nonzero_bytes;  // guarded by mu
 };
 
 std::unique_ptr<rdmarpc::Server> StartServer(Service* service, int* port,
@@ -886,25 +894,23 @@ class ForgedPeerTest : public ::testing::Test {
     return grant;
   }
 
-  // Writes 4096 bytes of `source` (registered as `mr`) at `offset` into the
-  // grant's region. A forged write fails with a remote access error; once
+  // Writes `length` bytes of `source` (registered as `mr`) at `offset` into
+  // the grant's region. A forged write fails with a remote access error; once
   // in a CI run (soft-RoCE) it neither completed nor was retried and the
   // server saw nothing for 250 s: a raw connection has no progress watch
   // (a channel's would close it), so after 30 s this closes it, and the
   // write must fail all the same.
-  static rdmarpc::Status WriteIntoGrant(rdmarpc::rdma::Connection& conn,
-                                        const rdmarpc::rdma::MemoryRegion& mr,
-                                        const void* source,
-                                        const rdmarpc::rdma::Grant& grant,
-                                        uint64_t offset,
-                                        std::optional<uint32_t> immediate) {
+  static rdmarpc::Status WriteIntoGrant(
+      rdmarpc::rdma::Connection& conn, const rdmarpc::rdma::MemoryRegion& mr,
+      const void* source, const rdmarpc::rdma::Grant& grant, uint64_t offset,
+      std::optional<uint32_t> immediate, uint32_t length = 4096) {
     auto written = std::make_shared<std::promise<rdmarpc::Status>>();
     RDMARPC_RETURN_IF_ERROR(
         conn.Write({.local = source,
                     .lkey = mr->lkey,
                     .remote_addr = grant.regions(0).addr() + offset,
                     .rkey = grant.regions(0).rkey(),
-                    .length = 4096,
+                    .length = length,
                     .immediate = immediate,
                     .on_piece = nullptr},
                    [written](rdmarpc::Status s) { written->set_value(s); }));
@@ -916,6 +922,25 @@ class ForgedPeerTest : public ::testing::Test {
       conn.Close(absl::CancelledError("the test gave up on the write"));
     }
     return result.get();
+  }
+
+  // A hand-driven connection, with 4096 bytes of 0x5a registered to write.
+  struct WritingPeer {
+    std::shared_ptr<RecordingHandler> handler =
+        std::make_shared<RecordingHandler>();
+    std::shared_ptr<rdmarpc::rdma::Connection> conn;
+    std::vector<uint8_t> bytes = std::vector<uint8_t>(4096, 0x5a);
+    rdmarpc::rdma::MemoryRegion mr;  // last: deregistered first
+  };
+  void ConnectWritingPeer(WritingPeer* peer) {
+    rdmarpc::rdma::HelloResponse hello = Hello();
+    auto conn = Connect(hello, hello.token(), peer->handler);
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    peer->conn = *std::move(conn);
+    auto mr = rdmarpc::rdma::RegisterMemory(
+        peer->conn->pd(), peer->bytes.data(), peer->bytes.size(), 0);
+    ASSERT_TRUE(mr.ok()) << mr.status();
+    peer->mr = *std::move(mr);
   }
 
   // A normal client still gets served.
@@ -973,14 +998,8 @@ TEST_F(ForgedPeerTest, WriteOutsideTheGrantFailsOnlyThatConnection) {
 // A grant through a memory window ends with its call: writing through it
 // again afterwards fails on the device, and only that connection closes.
 TEST_F(ForgedPeerTest, AWindowGrantEndsWithItsCall) {
-  rdmarpc::rdma::HelloResponse hello = Hello();
-  auto handler = std::make_shared<RecordingHandler>();
-  auto conn = Connect(hello, hello.token(), handler);
-  ASSERT_TRUE(conn.ok()) << conn.status();
-  std::vector<uint8_t> bytes(4096, 0x5a);
-  auto mr = rdmarpc::rdma::RegisterMemory((*conn)->pd(), bytes.data(),
-                                          bytes.size(), 0);
-  ASSERT_TRUE(mr.ok());
+  WritingPeer peer;
+  ASSERT_NO_FATAL_FAILURE(ConnectWritingPeer(&peer));
   // Calls whose tensor is written, answered with a checksum, until one was
   // granted through a window (the connection sets them up aside).
   rdmarpc::rdma::Grant grant;
@@ -989,13 +1008,14 @@ TEST_F(ForgedPeerTest, AWindowGrantEndsWithItsCall) {
       std::chrono::steady_clock::now() + std::chrono::minutes(2);
   for (uint64_t id = 1; std::chrono::steady_clock::now() < give_up; ++id) {
     const uint64_t windows_before = server_->rdma_stats().landing_windows;
-    auto granted = RequestWrittenEcho(**conn, *handler, id, /*fail_code=*/1);
+    auto granted =
+        RequestWrittenEcho(*peer.conn, *peer.handler, id, /*fail_code=*/1);
     ASSERT_TRUE(granted.ok()) << granted.status();
     grant = *granted;
-    ASSERT_TRUE(
-        WriteIntoGrant(**conn, *mr, bytes.data(), grant, 0, grant.grant_id())
-            .ok());
-    ASSERT_EQ(handler->Next().first, rdmarpc::rdma::FrameType::kResponse);
+    ASSERT_TRUE(WriteIntoGrant(*peer.conn, peer.mr, peer.bytes.data(), grant, 0,
+                               grant.grant_id())
+                    .ok());
+    ASSERT_EQ(peer.handler->Next().first, rdmarpc::rdma::FrameType::kResponse);
     ++calls;
     if (server_->rdma_stats().landing_windows > windows_before) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -1004,11 +1024,48 @@ TEST_F(ForgedPeerTest, AWindowGrantEndsWithItsCall) {
   EXPECT_EQ(service_.echo_calls.load(), calls);
   // The call was answered, and its window invalidated before its handler
   // ran: the same region and key take no more bytes.
-  EXPECT_FALSE(
-      WriteIntoGrant(**conn, *mr, bytes.data(), grant, 0, std::nullopt).ok());
-  EXPECT_TRUE(handler->WaitClosed());
+  EXPECT_FALSE(WriteIntoGrant(*peer.conn, peer.mr, peer.bytes.data(), grant, 0,
+                              std::nullopt)
+                   .ok());
+  EXPECT_TRUE(peer.handler->WaitClosed());
   EXPECT_EQ(service_.echo_calls.load(), calls);
   ExpectServerStillServes();
+}
+
+// Landing memory is used again, by calls from any peer: a peer that writes
+// less than its grant and announces it done must find the rest zero, not
+// what an earlier call left there. Both ways of granting, per-call
+// registration (the first calls) and a window into the arena (once the
+// connection has set its windows up).
+TEST_F(ForgedPeerTest, BytesAPeerDidNotWriteReadAsZero) {
+  WritingPeer peer;
+  ASSERT_NO_FATAL_FAILURE(ConnectWritingPeer(&peer));
+  // Whole writes and 64-byte ones take turns, each byte 0x5a; the handler
+  // counts the non-zero bytes it sees. Until windows were used, and then 8
+  // pairs more.
+  std::vector<size_t> expected;
+  int pairs_after_windows = 0;
+  const auto give_up =
+      std::chrono::steady_clock::now() + std::chrono::minutes(2);
+  for (uint64_t id = 1; pairs_after_windows < 8; id += 2) {
+    ASSERT_LT(std::chrono::steady_clock::now(), give_up);
+    if (server_->rdma_stats().landing_windows > 0) ++pairs_after_windows;
+    for (uint32_t length : {4096u, 64u}) {
+      auto grant =
+          RequestWrittenEcho(*peer.conn, *peer.handler, id + (length == 64),
+                             /*fail_code=*/3);
+      ASSERT_TRUE(grant.ok()) << grant.status();
+      ASSERT_TRUE(WriteIntoGrant(*peer.conn, peer.mr, peer.bytes.data(), *grant,
+                                 0, grant->grant_id(), length)
+                      .ok());
+      ASSERT_EQ(peer.handler->Next().first,
+                rdmarpc::rdma::FrameType::kResponse);
+      expected.push_back(length);
+    }
+  }
+  std::lock_guard<std::mutex> lock(service_.mu);
+  EXPECT_EQ(service_.nonzero_bytes, expected);
+  peer.conn->Close(absl::CancelledError("test done"));
 }
 
 TEST_F(ForgedPeerTest, UnsignaledFramesCompleteOnceFlushed) {
