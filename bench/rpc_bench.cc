@@ -270,6 +270,10 @@ class StockTarget final : public Target {
         grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port),
                                   grpc::InsecureChannelCredentials(), args));
   }
+  // The stub and its channel are kept until the process ends, for the
+  // reason at the end of main: the experiments that drop their targets
+  // between points (connections, fanout) aborted there twice (2026-11-26).
+  ~StockTarget() override { (void)stub_.release(); }
 
   bool CallBlocking(size_t bytes) override {
     grpc::ClientContext ctx;
