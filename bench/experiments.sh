@@ -146,6 +146,8 @@ if [[ "$group" == grpc ]]; then
     run connections "$bin/rpc_bench" connections "$sys" $conns
     run fanout "$bin/rpc_bench" fanout "$sys" $fans
   done
+  run inflight "$bin/rpc_bench" inflight grpc-inline $depths
+  run connections "$bin/rpc_bench" connections grpc-inline $conns
   run idle "$bin/rpc_bench" idle grpc 32
   exit 0
 fi
@@ -247,8 +249,10 @@ COMMAND_TEXT="3 rounds of: ib_write_bw -d $dev -R -s 67108864 -n 5 [$addr]; $bin
 small_calls rdma rdma-inline
 run throughput "$bin/rpc_bench" throughput rdma $big_rdma
 run pipelined "$bin/rpc_bench" pipelined rdma 4096 65536
-run inflight "$bin/rpc_bench" inflight rdma $depths
-run connections "$bin/rpc_bench" connections rdma $conns
+for sys in rdma rdma-inline; do
+  run inflight "$bin/rpc_bench" inflight "$sys" $depths
+  run connections "$bin/rpc_bench" connections "$sys" $conns
+done
 run fanout "$bin/rpc_bench" fanout rdma $fans
 run idle "$bin/rpc_bench" idle rdma 32
 run interference "$bin/rpc_bench" interference rdma "$interfere"
