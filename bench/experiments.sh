@@ -63,6 +63,13 @@ fi
 small_calls() {
   local round style sys
   for round in 1 2 3; do
+    # Over RDMA the reference takes its turn too: one sample of ib_send_lat
+    # per boot read 27.3 us at 64 B in one run and 12.6 us in the next,
+    # which alone moved the target's ratio from 2.4x to 7.9x (2026-11-26).
+    if [[ "$group" == rdma ]]; then
+      COMMAND_TEXT="ib_send_lat -d $dev -R -s SIZE -n 2000 [$addr], in each round of the small calls" \
+        run perftest send_lat_round
+    fi
     for style in latency blocking; do
       for sys in "$@"; do
         run "$style" "$bin/rpc_bench" "$style" "$sys" $small
@@ -188,6 +195,10 @@ perftest() {
         print "perftest,ib_write_bw," size ",bw_average," $4 ",MB/s" }
       $1 == size && tool == "ib_send_bw" {
         print "perftest,ib_send_bw," size ",msg_rate," $5 * 1e6 ",1/s" }'
+}
+send_lat_round() {
+  local s
+  for s in $small; do perftest ib_send_lat "$s" 2000; done
 }
 perftest_all() {
   for s in $small; do perftest ib_send_lat "$s" 2000; done

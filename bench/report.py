@@ -122,7 +122,9 @@ def main():
                "(the default, `SetRunHandlersInline`) or on the server's "
                "worker pool (`SetRunHandlersInline(false)`, the first "
                "columns). Each figure is the median of the "
-               "rounds in which the systems took turns.", "",
+               "rounds in which the systems took turns; ib_send_lat takes "
+               "a turn in each round too, and its figure is the median of "
+               "those and its run with the other perftest figures.", "",
                "| size | rdmarpc p50 (us) | p99 (us) | inline handlers p50 "
                "(us) | 2 x ib_send_lat (us) | ratio | ratio, inline |",
                "|---|---|---|---|---|---|---|"]
