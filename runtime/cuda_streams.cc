@@ -29,16 +29,17 @@ class EventFence final : public CudaFence {
   UniqueEvent event_;
 };
 
-// Sends wait on producers' streams; receives must not queue behind them.
-enum class Direction { kSend = 0, kReceive = 1 };
+// Sends wait on producers' streams; receives must not queue behind them;
+// clears of landing memory, waited for at once, queue behind neither.
+enum class Direction { kSend = 0, kReceive = 1, kClear = 2 };
 
-// Two non-blocking copy streams per GPU, created on first use. Makes `gpu`
+// Three non-blocking streams per GPU, created on first use. Makes `gpu`
 // current (callers hold a DeviceGuard).
 // They live until the process exits: created after the CUDA runtime's own
 // exit handler is registered, they are destroyed before it runs.
 StatusOr<cudaStream_t> CopyStream(int gpu, Direction direction) {
   static std::mutex mu;
-  static std::vector<std::array<UniqueStream, 2>> streams;
+  static std::vector<std::array<UniqueStream, 3>> streams;
   RDMARPC_RETURN_IF_ERROR(UseDevice(gpu));
   std::lock_guard<std::mutex> lock(mu);
   if (streams.size() <= static_cast<size_t>(gpu)) streams.resize(gpu + 1);
@@ -78,6 +79,17 @@ Status WaitOn(cudaStream_t stream, const CudaFence* after) {
 
 StatusOr<cudaStream_t> ReceiveCopyStream(int gpu) {
   return CopyStream(gpu, Direction::kReceive);
+}
+
+Status CudaClear(const TensorBuffer& buffer) {
+  DeviceGuard guard;
+  RDMARPC_ASSIGN_OR_RETURN(
+      cudaStream_t stream,
+      CopyStream(buffer.device().index, Direction::kClear));
+  RDMARPC_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(buffer.data(), 0, buffer.size(), stream));
+  RDMARPC_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  return absl::OkStatus();
 }
 
 StatusOr<std::shared_ptr<CudaFence>> CudaRecordFence(int gpu, void* stream) {

@@ -8,12 +8,14 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 #include <vector>
 
 #include "e2e_fixture.h"
 #include "stream_kernels.h"
+#include "transport/rdma/payload_mover.h"
 #include "transport/rdma/verbs.h"
 
 namespace rdmarpc_test {
@@ -257,6 +259,46 @@ TEST_P(GpuPayloadTest,
   }
   cudaFree(mismatches);
   cudaStreamDestroy(stream);
+}
+
+// A peer that writes less than its grant and announces it done leaves the
+// reader whatever its landing memory held: each GPU mover must hand out
+// landing memory that reads as zero, though its pools held earlier calls'
+// bytes (a landing of the same size comes back at the same address).
+TEST(GpuLandingTest, LandingMemoryReadsAsZeroWhereNoPeerWrote) {
+  rdmarpc::Status gpu = rdmarpc::CudaDeviceStatus(0);
+  if (!gpu.ok()) GTEST_SKIP() << "no usable GPU: " << gpu.message();
+  for (rdmarpc::GpuRdmaMode mode :
+       {rdmarpc::GpuRdmaMode::kDmaBuf, rdmarpc::GpuRdmaMode::kStaging}) {
+    const rdmarpc::rdma::PayloadMover& mover =
+        rdmarpc::rdma::GpuMoverForTesting(mode);
+    // Below the size whose staging clear waits for registration aside.
+    for (size_t n : {size_t{4096}, size_t{512} << 10}) {
+      SCOPED_TRACE(std::string(rdmarpc::GpuRdmaModeName(mode)) + " " +
+                   std::to_string(n));
+      const void* earlier = nullptr;
+      for (int round = 0; round < 2; ++round) {
+        rdmarpc::TensorBuffer staged_to;
+        auto landing = mover.AllocateLanding(kGpu, n, {}, &staged_to);
+        ASSERT_TRUE(landing.ok()) << landing.status();
+        if (round == 1) {
+          EXPECT_EQ(landing->data(), earlier) << "the pool did not reuse it";
+        }
+        std::vector<uint8_t> back(n, 0xFF);
+        ASSERT_TRUE(rdmarpc::CopyBytes(back.data(), Device::Host(),
+                                       landing->data(), landing->device(), n)
+                        .ok());
+        EXPECT_EQ(std::count(back.begin(), back.end(), 0),
+                  static_cast<ptrdiff_t>(n));
+        // An earlier call's bytes, left behind.
+        const std::vector<uint8_t> left(n, 0xAB);
+        ASSERT_TRUE(rdmarpc::CopyBytes(landing->data(), landing->device(),
+                                       left.data(), Device::Host(), n)
+                        .ok());
+        earlier = landing->data();
+      }
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

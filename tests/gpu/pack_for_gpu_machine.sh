@@ -54,7 +54,7 @@ timeout 60 "$B/hello_tensor_client" --target="127.0.0.1:$(cat /tmp/hello_port)" 
 echo "rc ${PIPESTATUS[0]}"
 kill %1
 cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer | head -1)
-cases='*DTypes*grpc:*SendWaits*grpc:*Staging*grpc:*EachRegistration*grpc'
+cases='*DTypes*grpc:*SendWaits*grpc:*Staging*grpc:*EachRegistration*grpc:GpuLandingTest.*'
 for tool in memcheck synccheck; do
   echo "=== compute-sanitizer $tool"
   timeout 150 "$cs" --tool $tool "$B/gpu_payload_test" --gtest_filter="$cases" \

@@ -97,7 +97,12 @@ class GpuDirectMover final : public PayloadMover {
                                          TensorBuffer supplied,
                                          TensorBuffer*) const override {
     if (!supplied.empty()) return supplied;
-    return internal::AllocateGpuLanding(device.index, size);
+    RDMARPC_ASSIGN_OR_RETURN(TensorBuffer landing,
+                             internal::AllocateGpuLanding(device.index, size));
+    // Pool memory held earlier calls' tensors, and cudaMalloc's is not
+    // zeroed either. The GPU clears at its memory bandwidth.
+    RDMARPC_RETURN_IF_ERROR(internal::CudaClear(landing));
+    return landing;
   }
   StatusOr<MemoryRegion> RegisterLanding(
       ibv_pd* pd, const TensorBuffer& landing) const override {
@@ -138,10 +143,19 @@ class GpuStagingMover final : public PayloadMover {
       Device, uint64_t size, TensorBuffer supplied,
       TensorBuffer* staged_to) const override {
     *staged_to = std::move(supplied);
-    return internal::AllocatePinnedStaging(size);
+    RDMARPC_ASSIGN_OR_RETURN(TensorBuffer landing,
+                             internal::AllocatePinnedStaging(size));
+    // The pinned pool is shared with staged sends: a block may hold this
+    // process's outgoing bytes for any peer. Large ones are cleared in
+    // RegisterLanding, which runs aside for them (kRegisterAsideBytes).
+    if (size < kRegisterAsideBytes) std::memset(landing.data(), 0, size);
+    return landing;
   }
   StatusOr<MemoryRegion> RegisterLanding(
       ibv_pd* pd, const TensorBuffer& landing) const override {
+    if (landing.size() >= kRegisterAsideBytes) {
+      std::memset(landing.data(), 0, landing.size());
+    }
     return rdma::RegisterLanding(pd, landing.data(), landing.size());
   }
   Status AfterLanded(const TensorBuffer&) const override {
@@ -155,6 +169,17 @@ const GpuDirectMover kGpuDmaBuf(GpuRdmaMode::kDmaBuf);
 const GpuDirectMover kGpuPeerMemory(GpuRdmaMode::kPeerMemory);
 
 }  // namespace
+
+const PayloadMover& GpuMoverForTesting(GpuRdmaMode mode) {
+  switch (mode) {
+    case GpuRdmaMode::kDmaBuf:
+      return kGpuDmaBuf;
+    case GpuRdmaMode::kPeerMemory:
+      return kGpuPeerMemory;
+    default:
+      return kGpuStaging;
+  }
+}
 
 MoverChoice ChooseMover(Device device, const GpuAccess& gpu) {
   if (!device.is_cuda()) return {&kHost, "", ""};

@@ -99,6 +99,10 @@ struct MoverChoice {
 // works with `gpu.pd`'s device, or staging (with why) when none does.
 MoverChoice ChooseMover(Device device, const GpuAccess& gpu);
 
+// The GPU mover of `mode` (kAuto: staging), whether or not any device here
+// could use it: for tests of what a mover does with memory alone.
+const PayloadMover& GpuMoverForTesting(GpuRdmaMode mode);
+
 }  // namespace rdmarpc::rdma
 
 #endif  // RDMARPC_TRANSPORT_RDMA_PAYLOAD_MOVER_H_
