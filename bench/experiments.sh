@@ -264,6 +264,8 @@ for sys in rdma rdma-inline; do
   run inflight "$bin/rpc_bench" inflight "$sys" $depths
   run connections "$bin/rpc_bench" connections "$sys" $conns
 done
+# Client and server on two engines (RDMARPC_RDMA_POLLERS=2).
+run inflight "$bin/rpc_bench" inflight rdma-pollers2-inline $depths
 run fanout "$bin/rpc_bench" fanout rdma $fans
 run idle "$bin/rpc_bench" idle rdma 32
 run interference "$bin/rpc_bench" interference rdma "$interfere"

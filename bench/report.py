@@ -269,14 +269,16 @@ def main():
              "calls_per_s", "calls/s"),
             ("fanout", "servers receiving the same 16 MiB tensor",
              "throughput", "MB/s")):
-        systems = [s for s in ("rdma-inline", "rdma", "grpc-inline", "grpc",
-                               "stock")
+        systems = [s for s in ("rdma-inline", "rdma-pollers2-inline", "rdma",
+                               "grpc-inline", "grpc", "stock")
                    if get(exp, s, metric)]
         if not systems:
             continue
         md += [f"## {label}", "",
                "`-inline`: the server's handlers run inline (its default); "
-               "without: on its worker pool.", "",
+               "without: on its worker pool. `rdma-pollers2-inline`: "
+               "RDMARPC_RDMA_POLLERS=2, the client's and the server's "
+               "connections on two engines.", "",
                "| " + exp + " | " +
                " | ".join(f"{s} ({unit})" for s in systems) + " |",
                "|---" * (len(systems) + 1) + "|"]
@@ -322,7 +324,9 @@ def main():
     # ib_send_bw's 64 B message rate (a call is two messages).
     rate = get("perftest", "ib_send_bw", "msg_rate").get(64)
     for system, how in (("rdma-inline", "inline handlers (the default)"),
-                        ("rdma", "worker-pool handlers")):
+                        ("rdma", "worker-pool handlers"),
+                        ("rdma-pollers2-inline",
+                         "inline handlers, 2 pollers")):
         cps = get("inflight", system, "calls_per_s")
         if rate and cps.get(32):
             r = cps[32] / rate

@@ -36,7 +36,9 @@
 // SYSTEM: rdma (rdmarpc, policy rdma, the server's handlers on its worker
 // pool: SetRunHandlersInline(false)), grpc (rdmarpc's gRPC fallback, policy
 // grpc, the same), rdma-inline and grpc-inline (the same with handlers run
-// inline, the server's default) or stock
+// inline, the server's default), rdma-pollers2-inline (rdma-inline with
+// RDMARPC_RDMA_POLLERS=2: the client's and the server's connections on two
+// engines) or stock
 // (stock gRPC with grpc_cpp_plugin stubs, message limits raised: stock gRPC
 // refuses messages over 4 MB otherwise). Client and servers run in this process
 // over loopback (RDMA: the local device). CPU seconds are this process's
@@ -455,7 +457,8 @@ int main(int argc, char** argv) {
                  "usage: %s latency|blocking|throughput|pipelined|inflight|"
                  "connections|idle|"
                  "interference|fanout|threshold "
-                 "rdma|grpc|rdma-inline|grpc-inline|stock VALUES...\n",
+                 "rdma|grpc|rdma-inline|grpc-inline|rdma-pollers2-inline|stock "
+                 "VALUES...\n",
                  argv[0]);
     return 2;
   }
@@ -466,9 +469,13 @@ int main(int argc, char** argv) {
     values.push_back(std::strtoull(argv[i], nullptr, 10));
   System sys{g_system, {}, {}};
   if (g_system != "rdma" && g_system != "grpc" && g_system != "stock" &&
-      g_system != "rdma-inline" && g_system != "grpc-inline") {
+      g_system != "rdma-inline" && g_system != "grpc-inline" &&
+      g_system != "rdma-pollers2-inline") {
     Fail("unknown system");
   }
+  // Read when the first connection starts an engine.
+  if (g_system == "rdma-pollers2-inline")
+    setenv("RDMARPC_RDMA_POLLERS", "2", 1);
   if (g_experiment == "latency" || g_experiment == "blocking" ||
       g_experiment == "throughput") {
     auto target = sys.Connect(sys.StartServer(), 0);

@@ -849,7 +849,8 @@ void Connection::Close(Status why, const char* trigger) {
     // Tells the peer; the engine tears the queue pair down.
     if (res_.qp.get() != nullptr) rdma_disconnect(res_.id.get());
   }
-  Engine::Get().Wake();
+  // Not added yet: the engine that adds it finds it closed.
+  if (Engine* engine = this->engine()) engine->Wake();
 }
 
 Status Connection::InjectQueuePairError() {

@@ -9,7 +9,7 @@
 // are free, so no post ever fails for lack of either.
 //
 //   auto conn = Connection::Create(std::move(resources), config, handler);
-//   Engine::Get().Add(conn);             // completions start flowing
+//   Engine::Add(conn);             // completions start flowing
 //   conn->SendFrame(FrameType::kRequest, &head, inline_parts);
 //   conn->Write({.local = ..., .lkey = ..., .remote_addr = ...,
 //                .rkey = ..., .length = ..., .immediate = grant_id},
@@ -105,6 +105,8 @@ struct ConnectionResources {
   CmQueuePair qp;
 };
 
+class Engine;
+
 class Connection : public std::enable_shared_from_this<Connection>,
                    public internal::CallerPoll {
  public:
@@ -135,7 +137,7 @@ class Connection : public std::enable_shared_from_this<Connection>,
   };
 
   // Posts the receives. `resources.qp` must exist; the connection is not
-  // live until Engine::Get().Add(it).
+  // live until Engine::Add(it).
   static StatusOr<std::shared_ptr<Connection>> Create(
       ConnectionResources resources, const ConnectionConfig& config,
       std::shared_ptr<Handler> handler);
@@ -269,6 +271,13 @@ class Connection : public std::enable_shared_from_this<Connection>,
     return caller_polls_found_.load(std::memory_order_relaxed);
   }
 
+  // The engine that polls this connection, set once by Engine::Add (null
+  // before).
+  Engine* engine() const { return engine_.load(std::memory_order_acquire); }
+  void set_engine(Engine* engine) {
+    engine_.store(engine, std::memory_order_release);
+  }
+
   // Engine use (engine thread only).
   int completion_fd() const { return res_.completions->fd; }
   // Requests a completion event for the next completion.
@@ -363,6 +372,7 @@ class Connection : public std::enable_shared_from_this<Connection>,
   const ConnectionConfig config_;
   std::shared_ptr<Handler> handler_;
   std::atomic<bool> closed_{false};
+  std::atomic<Engine*> engine_{nullptr};
   std::atomic<bool> broke_protocol_{false};
   std::atomic<std::chrono::steady_clock::rep> last_heard_{
       std::chrono::steady_clock::now().time_since_epoch().count()};

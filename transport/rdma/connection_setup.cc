@@ -197,7 +197,7 @@ StatusOr<std::shared_ptr<Connection>> ConnectToServer(
         absl::StrCat("RDMA connect to ", address, ":", port,
                      " failed: ", established.status().message()));
   }
-  RDMARPC_RETURN_IF_ERROR(Engine::Get().Add(conn));
+  RDMARPC_RETURN_IF_ERROR(Engine::Add(conn));
   return conn;
 }
 

@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
+#include <map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -37,11 +39,74 @@ constexpr int kMaxEngineThreads = 16;
 // The role generation this thread holds; 0: none.
 thread_local uint64_t held_generation = 0;
 
+// Every engine's connections, for the devices' async events, and the
+// devices whose event fds the first engine watches.
+struct DeviceWatch {
+  std::mutex mu;
+  std::vector<std::weak_ptr<Connection>> live;
+  std::map<ibv_context*, bool> watched;  // value: fd still in epoll
+};
+
+DeviceWatch& Devices() {
+  static auto* devices = new DeviceWatch();  // outlives every connection
+  return *devices;
+}
+
+std::atomic<int> pollers_for_testing{0};
+
+int Pollers() {
+  static const int from_env = [] {
+    const char* env = std::getenv("RDMARPC_RDMA_POLLERS");
+    return env == nullptr ? 1 : std::atoi(env);
+  }();
+  const int wanted = pollers_for_testing.load(std::memory_order_relaxed);
+  return std::clamp(wanted > 0 ? wanted : from_env, 1, Engine::kMaxPollers);
+}
+
+// The engines started so far; never destroyed.
+struct Started {
+  std::mutex mu;
+  Engine* engines[Engine::kMaxPollers] = {};
+  int count = 0;  // guarded by mu
+  std::atomic<Engine*> first{nullptr};
+};
+
+Started& Engines() {
+  static auto* started = new Started();
+  return *started;
+}
+
 }  // namespace
 
-Engine& Engine::Get() {
-  static Engine* engine = new Engine();
-  return *engine;
+Status Engine::Add(std::shared_ptr<Connection> conn) {
+  Started& started = Engines();
+  Engine* engine = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(started.mu);
+    const int pollers = Pollers();
+    for (int i = 0; i < std::min(started.count, pollers); ++i) {
+      Engine* e = started.engines[i];
+      if (engine == nullptr ||
+          e->connections_.load() < engine->connections_.load()) {
+        engine = e;
+      }
+    }
+    if (started.count < pollers &&
+        (engine == nullptr || engine->connections_.load() > 0)) {
+      engine = new Engine();
+      started.engines[started.count++] = engine;
+      if (started.count == 1) started.first.store(engine);
+    }
+    // Counted at once, so that the next Add sees it.
+    engine->connections_.fetch_add(1);
+  }
+  Status added = engine->AddHere(std::move(conn));
+  if (!added.ok()) engine->connections_.fetch_sub(1);
+  return added;
+}
+
+void Engine::SetPollersForTesting(int pollers) {
+  pollers_for_testing.store(pollers, std::memory_order_relaxed);
 }
 
 Engine::Engine()
@@ -64,7 +129,7 @@ Engine::Engine()
   thread.detach();
 }
 
-Status Engine::Add(std::shared_ptr<Connection> conn) {
+Status Engine::AddHere(std::shared_ptr<Connection> conn) {
   RDMARPC_RETURN_IF_ERROR(start_error_);
   epoll_event ev{};
   ev.events = EPOLLIN;
@@ -73,22 +138,15 @@ Status Engine::Add(std::shared_ptr<Connection> conn) {
       0) {
     return VerbsError("watching a completion channel (epoll_ctl)", errno);
   }
+  conn->set_engine(this);
+  {
+    DeviceWatch& devices = Devices();
+    std::lock_guard<std::mutex> lock(devices.mu);
+    Engines().first.load()->WatchDevice(conn->cm_id()->verbs);
+    devices.live.push_back(conn);
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    ibv_context* device = conn->cm_id()->verbs;
-    if (device != nullptr && !watched_devices_.contains(device)) {
-      int flags = fcntl(device->async_fd, F_GETFL);
-      epoll_event dev{};
-      dev.events = EPOLLIN;
-      dev.data.u64 = reinterpret_cast<uintptr_t>(device) | kDeviceTag;
-      bool watched =
-          flags >= 0 &&
-          fcntl(device->async_fd, F_SETFL, flags | O_NONBLOCK) == 0 &&
-          epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, device->async_fd, &dev) ==
-              0;
-      watched_devices_[device] = watched;
-    }
-    live_.push_back(conn);
     added_.push_back(std::move(conn));
   }
   added_pending_.store(true, std::memory_order_release);
@@ -101,6 +159,18 @@ void Engine::Wake() {
   (void)!write(wake_fd_.get(), &one, sizeof(one));
 }
 
+void Engine::WatchDevice(ibv_context* device) {
+  DeviceWatch& devices = Devices();
+  if (device == nullptr || devices.watched.contains(device)) return;
+  int flags = fcntl(device->async_fd, F_GETFL);
+  epoll_event dev{};
+  dev.events = EPOLLIN;
+  dev.data.u64 = reinterpret_cast<uintptr_t>(device) | kDeviceTag;
+  devices.watched[device] =
+      flags >= 0 && fcntl(device->async_fd, F_SETFL, flags | O_NONBLOCK) == 0 &&
+      epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, device->async_fd, &dev) == 0;
+}
+
 void Engine::ReadAsyncEvents(ibv_context* device) {
   ibv_async_event event;
   while (ibv_get_async_event(device, &event) == 0) {
@@ -109,9 +179,10 @@ void Engine::ReadAsyncEvents(ibv_context* device) {
     ibv_ack_async_event(&event);
     if (fatal) {
       // The fd stays readable on a dead device; stop watching it.
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = watched_devices_.find(device);
-      if (it != watched_devices_.end() && it->second) {
+      DeviceWatch& devices = Devices();
+      std::lock_guard<std::mutex> lock(devices.mu);
+      auto it = devices.watched.find(device);
+      if (it != devices.watched.end() && it->second) {
         // An error only means the fd is gone already.
         (void)epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, device->async_fd,
                         nullptr);
@@ -129,8 +200,9 @@ void Engine::HandleAsyncEvent(ibv_context* device,
   const char* trigger = nullptr;
   std::string what;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& weak : live_) {
+    DeviceWatch& devices = Devices();
+    std::lock_guard<std::mutex> lock(devices.mu);
+    for (const auto& weak : devices.live) {
       auto c = weak.lock();
       if (!c || c->cm_id()->verbs != device) continue;
       switch (event.event_type) {
@@ -168,27 +240,30 @@ void Engine::HandleAsyncEvent(ibv_context* device,
   }
 }
 
-void Engine::ReleaseDevicesLocked() {
+void Engine::ReleaseDevices() {
+  DeviceWatch& devices = Devices();
+  std::lock_guard<std::mutex> lock(devices.mu);
+  const int epoll_fd = Engines().first.load()->epoll_fd_.get();
   std::map<ibv_context*, int> users;
-  for (auto it = live_.begin(); it != live_.end();) {
+  for (auto it = devices.live.begin(); it != devices.live.end();) {
     auto c = it->lock();
     if (!c || c->closed()) {
-      it = live_.erase(it);
+      it = devices.live.erase(it);
       continue;
     }
     ++users[c->cm_id()->verbs];
     ++it;
   }
-  for (auto it = watched_devices_.begin(); it != watched_devices_.end();) {
+  for (auto it = devices.watched.begin(); it != devices.watched.end();) {
     if (users.contains(it->first)) {
       ++it;
       continue;
     }
     if (it->second) {
-      (void)epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, it->first->async_fd,
+      (void)epoll_ctl(epoll_fd, EPOLL_CTL_DEL, it->first->async_fd,
                       nullptr);  // an error: the fd is gone already
     }
-    it = watched_devices_.erase(it);
+    it = devices.watched.erase(it);
   }
 }
 
@@ -226,7 +301,6 @@ void Engine::TakeRole() {
 }
 
 void Engine::PassRole() {
-  handoffs_.fetch_add(1, std::memory_order_relaxed);
   bool start = false;
   {
     std::lock_guard<std::mutex> lock(standby_mu_);
@@ -340,16 +414,14 @@ void Engine::Loop() {
       progress |= c->TryPoll() != Connection::PollResult::kIdle;
       if (!Drain()) return;
       if (c->closed()) {
-        {
-          // First: destroying the last id on a removed device closes the
-          // device, and its async fd with it (FinishClose or the last
-          // reference may do that).
-          std::lock_guard<std::mutex> lock(mu_);
-          ReleaseDevicesLocked();
-        }
+        // First: destroying the last id on a removed device closes the
+        // device, and its async fd with it (FinishClose or the last
+        // reference may do that).
+        ReleaseDevices();
         (void)epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, c->completion_fd(),
                         nullptr);  // an error: the fd is gone already
         c->FinishClose();
+        connections_.fetch_sub(1);
         conns_[i] = std::move(conns_.back());
         conns_.pop_back();
         if (!Drain()) return;
@@ -404,6 +476,13 @@ void Engine::Loop() {
 }
 
 std::chrono::steady_clock::time_point Engine::NotStillBefore(
+    const Connection* conn, std::chrono::steady_clock::time_point now) {
+  const Engine* engine = conn->engine();
+  if (engine == nullptr) return {};
+  return engine->NotStillBeforeHere(now);
+}
+
+std::chrono::steady_clock::time_point Engine::NotStillBeforeHere(
     std::chrono::steady_clock::time_point now) const {
   const internal::SpinClock& clock = internal::SpinClock::Get();
   uint64_t began = pass_began_.load(std::memory_order_relaxed);

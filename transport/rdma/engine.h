@@ -1,17 +1,23 @@
-// The completion engine: one thread that makes progress on every RDMA
-// connection of the process.
+// The completion engines: threads that make progress on the process's RDMA
+// connections, each engine on the connections it was given.
 //
-// The thread busy-polls the completion queues for the spin period (twice
-// the process's recent round trip, 50 us to 2 ms, or RDMARPC_RDMA_SPIN_US;
-// see runtime/spin.h) after the last completion it found,
-// which keeps a stream of calls at the device's latency without a sleep and
-// a wake-up per call; then it arms every queue and sleeps in epoll on their
-// completion channels, so an idle process burns no CPU. The spin is timed
-// with the CPU's cycle counter and takes no lock: a spinning engine makes no
-// system call but a look at the devices' events every 10 ms.
+// An engine busy-polls its connections' completion queues for the spin
+// period (twice the process's recent round trip, 50 us to 2 ms, or
+// RDMARPC_RDMA_SPIN_US; see runtime/spin.h) after the last completion it
+// found, which keeps a stream of calls at the device's latency without a
+// sleep and a wake-up per call; then it arms every queue and sleeps in epoll
+// on their completion channels, so an idle process burns no CPU. The spin
+// is timed with the CPU's cycle counter and takes no lock: a spinning
+// engine makes no system call but a look at epoll every 10 ms.
 //
 //   std::shared_ptr<Connection> conn = ...;
-//   Engine::Get().Add(conn);  // polled from now until it closes
+//   RDMARPC_RETURN_IF_ERROR(Engine::Add(conn));  // polled until it closes
+//
+// The process has RDMARPC_RDMA_POLLERS engines (default 1, at most
+// kMaxPollers), started as connections need them: a new connection goes to
+// the one with the fewest, and stays there. Connections of different
+// engines make progress in parallel (a client and a server in one process
+// each get one); those of one engine share its thread.
 //
 // A caller blocked in Channel::Call polls its connection's queue itself
 // while it spins (Connection::PollForCaller), so its response completes on
@@ -19,25 +25,26 @@
 // not sleep while a caller holds one (it has not seen that queue since it
 // armed it).
 //
-// Connections leave the engine when they close: the engine runs
+// Connections leave their engine when they close: the engine runs
 // Connection::FinishClose on its thread and drops its reference.
 //
-// Server handlers that run on the engine (the default) run after the batch
+// Server handlers that run on an engine (the default) run after the batch
 // of completions that delivered them, with no connection's queue held
-// (internal::PollerHooks::RunAfterBatch). The engine is a role, not a
-// thread: a handler that blocks does not stall the process's connections
-// for long. One that is about to block in a call of ours (Channel::Call)
-// hands the role to a standby thread at once (LeaveBeforeBlocking); one
-// that holds it longer than kHandOffAfter (10-20 ms: the watchdog thread,
+// (internal::PollerHooks::RunAfterBatch). An engine is a role, not a
+// thread: a handler that blocks does not stall its connections for long.
+// One that is about to block in a call of ours (Channel::Call) hands the
+// role to a standby thread at once (LeaveBeforeBlocking); one that holds it
+// longer than kHandOffAfter (10-20 ms: the engine's watchdog thread,
 // `rdmarpc-watch`, sees the same drain on two looks kHandOffAfter apart)
 // loses it to the watchdog, which hands it on: a sleep, a lock, a loop
 // waiting for its own cancel. The thread that lost the role finishes its
 // handlers and then waits as a standby.
 //
-// The engine also reads each device's asynchronous events: a QP fatal
-// event closes that connection, a port error the connections on that port,
-// a device fatal event every connection on the device, each with the event
-// named as the trigger so channels fall back to gRPC at once.
+// The first engine also reads each device's asynchronous events, for every
+// engine's connections: a QP fatal event closes that connection, a port
+// error the connections on that port, a device fatal event every
+// connection on the device, each with the event named as the trigger so
+// channels fall back to gRPC at once.
 #ifndef RDMARPC_TRANSPORT_RDMA_ENGINE_H_
 #define RDMARPC_TRANSPORT_RDMA_ENGINE_H_
 
@@ -46,7 +53,6 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -62,38 +68,38 @@ class Connection;
 
 class Engine final : public internal::PollerHooks {
  public:
-  // A handler run by the engine that holds it this long (up to twice) loses
+  // A handler run by an engine that holds it this long (up to twice) loses
   // it to another thread.
   static constexpr std::chrono::milliseconds kHandOffAfter{10};
+  // Engines a process may have (RDMARPC_RDMA_POLLERS is clamped to it).
+  static constexpr int kMaxPollers = 16;
 
-  // The process-wide engine, started on first use and never destroyed
-  // (connections may close during static destruction).
-  static Engine& Get();
-
-  // Starts polling `conn`. UNAVAILABLE if its completion channel cannot be
-  // watched.
-  [[nodiscard]] Status Add(std::shared_ptr<Connection> conn);
-  // Makes the thread look at its connections now (one closed, ...).
-  void Wake();
+  // Starts polling `conn` on the engine with the fewest connections
+  // (starting it if need be; engines are never destroyed: connections may
+  // close during static destruction). UNAVAILABLE if its completion channel
+  // cannot be watched.
+  [[nodiscard]] static Status Add(std::shared_ptr<Connection> conn);
 
   // Acts on one asynchronous event of `device` (closes the connections it
-  // concerns). The engine calls it for each event it reads; tests call it
-  // with synthetic events.
-  void HandleAsyncEvent(ibv_context* device, const ibv_async_event& event);
+  // concerns, on any engine). The first engine calls it for each event it
+  // reads; tests call it with synthetic events.
+  static void HandleAsyncEvent(ibv_context* device,
+                               const ibv_async_event& event);
 
-  // For the calls' progress watch (rdma_client.cc): time the engine spent
-  // inside one long pass over its connections (registering a large landing
-  // buffer, for one) held every call of the process still, and that is no
+  // For the calls' progress watch (rdma_client.cc): time `conn`'s engine
+  // spent inside one long pass over its connections (registering a large
+  // landing buffer, for one) held every call there still, and that is no
   // fault of the path. Returns `now` while such a pass runs, else when the
   // last one ended: no call counts as still before it.
-  std::chrono::steady_clock::time_point NotStillBefore(
-      std::chrono::steady_clock::time_point now) const;
+  static std::chrono::steady_clock::time_point NotStillBefore(
+      const Connection* conn, std::chrono::steady_clock::time_point now);
 
-  // Times the role went to another thread (a handler about to block, or
-  // held it too long).
-  uint64_t handoffs() const {
-    return handoffs_.load(std::memory_order_relaxed);
-  }
+  // How many engines new connections are spread over; 0 restores
+  // RDMARPC_RDMA_POLLERS. Engines already started keep their connections.
+  static void SetPollersForTesting(int pollers);
+
+  // Makes the engine's thread look at its connections now (one closed, ...).
+  void Wake();
 
   // internal::PollerHooks, on the thread that holds the role.
   void RunAfterBatch(void (*drain)()) override;
@@ -108,6 +114,7 @@ class Engine final : public internal::PollerHooks {
   static constexpr uint64_t kDrainNumberMask = (uint64_t{1} << 30) - 1;
 
   Engine();
+  Status AddHere(std::shared_ptr<Connection> conn);
   // A thread of the engine: holds the role when given it, else waits.
   void ThreadMain(bool holds_role);
   // Polls until this thread loses the role.
@@ -119,14 +126,18 @@ class Engine final : public internal::PollerHooks {
   void PassRole();
   void TakeRole();
   void Watch();
+  // First engine only: the devices' event fds are in its epoll.
+  void WatchDevice(ibv_context* device);
   void ReadAsyncEvents(ibv_context* device);
+  // Stops watching devices no open connection of any engine uses. Runs
+  // before a closed connection's id is destroyed: destroying the last id
+  // on a removed device frees its context.
+  static void ReleaseDevices();
   // Waits up to `timeout_ms` (-1: forever) for epoll and handles what it
   // reports: wake-ups, completion channels, device events.
   void HandleEpoll(int timeout_ms);
-  // Stops watching devices no open connection uses. Requires mu_. Runs
-  // before a closed connection's id is destroyed: destroying the last id on
-  // a removed device frees its context.
-  void ReleaseDevicesLocked();
+  std::chrono::steady_clock::time_point NotStillBeforeHere(
+      std::chrono::steady_clock::time_point now) const;
 
   UniqueFd epoll_fd_;
   UniqueFd wake_fd_;
@@ -134,9 +145,9 @@ class Engine final : public internal::PollerHooks {
   std::mutex mu_;
   std::vector<std::shared_ptr<Connection>> added_;  // not yet picked up
   std::atomic<bool> added_pending_{false};          // added_ may be non-empty
-  // Every connection the engine polls, for the async events.
-  std::vector<std::weak_ptr<Connection>> live_;
-  std::map<ibv_context*, bool> watched_devices_;  // value: fd still in epoll
+  // Connections added and not yet finished closing: where Add sends a new
+  // one.
+  std::atomic<int> connections_{0};
   // Loop state: touched only by the thread holding the role (handed over
   // through standby_mu_ and role_).
   std::vector<std::shared_ptr<Connection>> conns_;
@@ -151,7 +162,6 @@ class Engine final : public internal::PollerHooks {
   int drain_count_ = 0;
 
   std::atomic<uint64_t> role_{0};
-  std::atomic<uint64_t> handoffs_{0};
   std::atomic<bool> watching_{false};
   std::mutex standby_mu_;
   std::condition_variable standby_cv_;

@@ -141,7 +141,7 @@ void RdmaClientTransport::Monitor() {
       const auto now = internal::CoarseSteadyNow();
       ClientEndpoint::ProgressWatch watch = endpoint_->WatchProgress(
           now, peer_timeout_,
-          std::max({Engine::Get().NotStillBefore(now),
+          std::max({Engine::NotStillBefore(conn_.get(), now),
                     conn_->NotStillBefore(now), overslept_at}));
       outstanding = watch.outstanding;
       counted = true;

@@ -173,7 +173,7 @@ void RdmaServerTransport::OnConnectRequest(const CmEvent& event) {
     std::lock_guard<std::mutex> lock(mu_);
     endpoints_[event.id] = endpoint;
   }
-  Status added = Engine::Get().Add(*conn);
+  Status added = Engine::Add(*conn);
   if (!added.ok()) (*conn)->Close(added);
 }
 

@@ -41,6 +41,10 @@ class Service final : public E2E::Service {
                        EchoResponse* resp) override {
     ++echo_calls;
     resp->set_note(req.note());
+    if (req.note() == "thread") {
+      std::lock_guard<std::mutex> lock(mu);
+      handler_thread = std::this_thread::get_id();
+    }
     if (req.fail_code() == 2) {  // a request without a tensor, answered
       // with a tensor of `note` bytes (Pattern(bytes, 7))
       std::vector<uint8_t> bytes = Pattern(std::stoull(req.note()), 7);
@@ -77,6 +81,7 @@ class Service final : public E2E::Service {
   std::atomic<int> echo_calls{0};
   std::mutex mu;
   std::vector<size_t> nonzero_bytes;  // guarded by mu
+  std::thread::id handler_thread;     // of the last "thread" echo; mu
 };
 
 std::unique_ptr<rdmarpc::Server> StartServer(Service* service, int* port,
@@ -373,6 +378,41 @@ TEST(RdmaTransport, CallbacksRunOnTheCompletionThreadByDefault) {
   // The engine still serves other connections.
   auto other = E2E::NewStub(RdmaChannel(port));
   EXPECT_TRUE(EchoOnce(other.get(), 64, 2));
+}
+
+// With more than one poller (RDMARPC_RDMA_POLLERS), a client and a server
+// in one process are polled by two engines: the server's inline handler
+// and the client's inline callback run on two engine threads, in parallel.
+// As many pollers as an engine may have: each Add then finds an engine
+// without connections, whatever other tests left closing.
+TEST(RdmaTransport, ConnectionsSpreadOverThePollers) {
+  rdmarpc::rdma::Engine::SetPollersForTesting(
+      rdmarpc::rdma::Engine::kMaxPollers);
+  Service service;
+  int port = 0;
+  auto server = StartInlineServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  auto stub = E2E::NewStub(RdmaChannel(port));
+  const bool connected = EchoOnce(stub.get(), 64, 1);
+  rdmarpc::rdma::Engine::SetPollersForTesting(0);
+  ASSERT_TRUE(connected);
+
+  ClientContext ctx;
+  EchoRequest req;
+  EchoResponse resp;
+  req.set_note("thread");
+  std::promise<std::pair<std::thread::id, std::string>> callback;
+  stub->Echo(&ctx, req, &resp, [&](rdmarpc::Status s) {
+    EXPECT_TRUE(s.ok()) << s;
+    callback.set_value({std::this_thread::get_id(), ThreadName()});
+  });
+  auto [callback_thread, callback_name] = callback.get_future().get();
+  EXPECT_EQ(ctx.stats().transport, rdmarpc::TransportKind::kRdma);
+  EXPECT_EQ(callback_name, "rdmarpc-engine");
+  std::lock_guard<std::mutex> lock(service.mu);
+  EXPECT_NE(service.handler_thread, std::thread::id());
+  EXPECT_NE(service.handler_thread, callback_thread)
+      << "the client's and the server's connection share an engine";
 }
 
 // A caller blocked in Channel::Call takes its connection's queue from the
@@ -1200,7 +1240,7 @@ TEST_F(ForgedPeerTest, QpFatalEventClosesOnlyThatConnection) {
   ibv_async_event event{};
   event.event_type = IBV_EVENT_QP_FATAL;
   event.element.qp = c.cm_id()->qp;
-  rdmarpc::rdma::Engine::Get().HandleAsyncEvent(c.cm_id()->verbs, event);
+  rdmarpc::rdma::Engine::HandleAsyncEvent(c.cm_id()->verbs, event);
   for (int i = 0; i < 200 && !c.closed(); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
@@ -1223,7 +1263,7 @@ TEST_F(ForgedPeerTest, DeviceFatalEventMakesChannelsFallBackThenProbeBack) {
   ibv_async_event event{};
   event.event_type = IBV_EVENT_DEVICE_FATAL;
   event.element.port_num = 1;
-  rdmarpc::rdma::Engine::Get().HandleAsyncEvent((*conn)->cm_id()->verbs, event);
+  rdmarpc::rdma::Engine::HandleAsyncEvent((*conn)->cm_id()->verbs, event);
   auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   rdmarpc::ChannelTransportStats stats;
   do {
