@@ -81,13 +81,20 @@ StatusOr<cudaStream_t> ReceiveCopyStream(int gpu) {
   return CopyStream(gpu, Direction::kReceive);
 }
 
-Status CudaClear(const TensorBuffer& buffer) {
+Status CudaQueueClear(const TensorBuffer& buffer) {
   DeviceGuard guard;
   RDMARPC_ASSIGN_OR_RETURN(
       cudaStream_t stream,
       CopyStream(buffer.device().index, Direction::kClear));
   RDMARPC_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(buffer.data(), 0, buffer.size(), stream));
+  return absl::OkStatus();
+}
+
+Status CudaWaitForClears(int gpu) {
+  DeviceGuard guard;
+  RDMARPC_ASSIGN_OR_RETURN(cudaStream_t stream,
+                           CopyStream(gpu, Direction::kClear));
   RDMARPC_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   return absl::OkStatus();
 }

@@ -22,7 +22,8 @@ Status CudaCopy(void*, Device, const void*, Device, size_t) {
   return NotBuilt();
 }
 StatusOr<TensorBuffer> AllocatePinnedStaging(size_t) { return NotBuilt(); }
-Status CudaClear(const TensorBuffer&) { return NotBuilt(); }
+Status CudaQueueClear(const TensorBuffer&) { return NotBuilt(); }
+Status CudaWaitForClears(int) { return NotBuilt(); }
 bool CudaIsPinnedHost(const void*) { return false; }
 StatusOr<std::shared_ptr<CudaFence>> CudaRecordFence(int, void*) {
   return NotBuilt();

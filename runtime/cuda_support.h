@@ -50,11 +50,13 @@ StatusOr<TensorBuffer> AllocatePinnedStaging(size_t size);
 // or its own cudaMalloc when the pool cannot serve it.
 StatusOr<TensorBuffer> AllocateGpuLanding(int gpu, size_t size);
 
-// Zeroes GPU memory `buffer` and returns once the GPU has (a stream of its
-// own, so it waits for no copy). Landing memory is cleared so before a
+// Queues the zeroing of GPU memory `buffer` on its GPU's clear stream (its
+// own, so it waits for no copy); CudaWaitForClears(gpu) returns once every
+// clear queued on `gpu` so far is done. Landing memory is cleared before a
 // peer may write it: a peer that writes less than its grant must not leave
 // the reader what an earlier call put there.
-[[nodiscard]] Status CudaClear(const TensorBuffer& buffer);
+[[nodiscard]] Status CudaQueueClear(const TensorBuffer& buffer);
+[[nodiscard]] Status CudaWaitForClears(int gpu);
 
 // Whether `ptr` lies in host memory CUDA has pinned (cudaHostAlloc or
 // cudaHostRegister).

@@ -93,9 +93,17 @@ Status Engine::Add(std::shared_ptr<Connection> conn) {
     }
     if (started.count < pollers &&
         (engine == nullptr || engine->connections_.load() > 0)) {
-      engine = new Engine();
-      started.engines[started.count++] = engine;
-      if (started.count == 1) started.first.store(engine);
+      auto fresh = std::unique_ptr<Engine>(new Engine());
+      if (fresh->start_error_.ok()) {
+        engine = fresh.release();
+        started.engines[started.count++] = engine;
+        if (started.count == 1) started.first.store(engine);
+      } else if (engine == nullptr) {
+        // No engine at all: RDMA is not used (nothing else in the process
+        // is affected); a later connection tries again.
+        return fresh->start_error_;
+      }
+      // Else the engines that did start take it.
     }
     // Counted at once, so that the next Add sees it.
     engine->connections_.fetch_add(1);
@@ -117,8 +125,7 @@ Engine::Engine()
   ev.data.ptr = nullptr;
   if (epoll_fd_.get() < 0 || wake_fd_.get() < 0 ||
       epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, wake_fd_.get(), &ev) != 0) {
-    // Every connection then fails to start with this error (RDMA is not
-    // used); nothing else in the process is affected.
+    // Add does not keep it (no thread started).
     start_error_ = VerbsError(
         "starting the RDMA completion engine (epoll, eventfd)", errno);
     return;
@@ -130,7 +137,6 @@ Engine::Engine()
 }
 
 Status Engine::AddHere(std::shared_ptr<Connection> conn) {
-  RDMARPC_RETURN_IF_ERROR(start_error_);
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.ptr = conn.get();
@@ -172,72 +178,83 @@ void Engine::WatchDevice(ibv_context* device) {
 }
 
 void Engine::ReadAsyncEvents(ibv_context* device) {
-  ibv_async_event event;
-  while (ibv_get_async_event(device, &event) == 0) {
-    HandleAsyncEvent(device, event);
-    bool fatal = event.event_type == IBV_EVENT_DEVICE_FATAL;
-    ibv_ack_async_event(&event);
-    if (fatal) {
-      // The fd stays readable on a dead device; stop watching it.
-      DeviceWatch& devices = Devices();
+  DeviceWatch& devices = Devices();
+  while (true) {
+    AsyncEventHit hit;
+    bool fatal = false;
+    {
+      // Another engine may release the device (and its last connection
+      // free it) once it is unwatched: it is read only while watched.
       std::lock_guard<std::mutex> lock(devices.mu);
       auto it = devices.watched.find(device);
-      if (it != devices.watched.end() && it->second) {
-        // An error only means the fd is gone already.
+      if (it == devices.watched.end() || !it->second) return;
+      ibv_async_event event;
+      if (ibv_get_async_event(device, &event) != 0) return;
+      hit = MatchLocked(device, event);
+      fatal = event.event_type == IBV_EVENT_DEVICE_FATAL;
+      ibv_ack_async_event(&event);
+      if (fatal) {
+        // The fd stays readable on a dead device; stop watching it. An
+        // error only means the fd is gone already.
         (void)epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, device->async_fd,
                         nullptr);
         it->second = false;
       }
-      return;
     }
+    for (auto& c : hit.conns) c->Close(hit.why, hit.trigger);
+    if (fatal) return;
   }
 }
 
 void Engine::HandleAsyncEvent(ibv_context* device,
                               const ibv_async_event& event) {
-  std::string name = ibv_get_device_name(device->device);
+  AsyncEventHit hit;
+  {
+    std::lock_guard<std::mutex> lock(Devices().mu);
+    hit = MatchLocked(device, event);
+  }
+  for (auto& c : hit.conns) c->Close(hit.why, hit.trigger);
+}
+
+Engine::AsyncEventHit Engine::MatchLocked(ibv_context* device,
+                                          const ibv_async_event& event) {
   std::vector<std::shared_ptr<Connection>> hit;
   const char* trigger = nullptr;
   std::string what;
-  {
-    DeviceWatch& devices = Devices();
-    std::lock_guard<std::mutex> lock(devices.mu);
-    for (const auto& weak : devices.live) {
-      auto c = weak.lock();
-      if (!c || c->cm_id()->verbs != device) continue;
-      switch (event.event_type) {
-        case IBV_EVENT_QP_FATAL:
-        case IBV_EVENT_QP_REQ_ERR:
-        case IBV_EVENT_QP_ACCESS_ERR:
-          if (c->cm_id()->qp == event.element.qp) hit.push_back(c);
-          trigger = "QP fatal event";
-          break;
-        case IBV_EVENT_CQ_ERR:
-          if (c->cq() == event.element.cq) hit.push_back(c);
-          trigger = "CQ error event";
-          break;
-        case IBV_EVENT_PORT_ERR:
-          if (c->cm_id()->port_num == event.element.port_num) {
-            hit.push_back(c);
-          }
-          trigger = "port error event";
-          what = absl::StrCat(" (port ", event.element.port_num, ")");
-          break;
-        case IBV_EVENT_DEVICE_FATAL:
+  for (const auto& weak : Devices().live) {
+    auto c = weak.lock();
+    if (!c || c->cm_id()->verbs != device) continue;
+    switch (event.event_type) {
+      case IBV_EVENT_QP_FATAL:
+      case IBV_EVENT_QP_REQ_ERR:
+      case IBV_EVENT_QP_ACCESS_ERR:
+        if (c->cm_id()->qp == event.element.qp) hit.push_back(c);
+        trigger = "QP fatal event";
+        break;
+      case IBV_EVENT_CQ_ERR:
+        if (c->cq() == event.element.cq) hit.push_back(c);
+        trigger = "CQ error event";
+        break;
+      case IBV_EVENT_PORT_ERR:
+        if (c->cm_id()->port_num == event.element.port_num) {
           hit.push_back(c);
-          trigger = "device fatal event";
-          break;
-        default:
-          break;
-      }
+        }
+        trigger = "port error event";
+        what = absl::StrCat(" (port ", event.element.port_num, ")");
+        break;
+      case IBV_EVENT_DEVICE_FATAL:
+        hit.push_back(c);
+        trigger = "device fatal event";
+        break;
+      default:
+        break;
     }
   }
-  for (auto& c : hit) {
-    c->Close(absl::UnavailableError(
-                 absl::StrCat("RDMA device ", name, " reported ",
-                              ibv_event_type_str(event.event_type), what)),
-             trigger);
-  }
+  return {std::move(hit),
+          absl::UnavailableError(absl::StrCat(
+              "RDMA device ", ibv_get_device_name(device->device), " reported ",
+              ibv_event_type_str(event.event_type), what)),
+          trigger};
 }
 
 void Engine::ReleaseDevices() {

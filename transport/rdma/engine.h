@@ -126,6 +126,15 @@ class Engine final : public internal::PollerHooks {
   void PassRole();
   void TakeRole();
   void Watch();
+  // What one async event closes, and why.
+  struct AsyncEventHit {
+    std::vector<std::shared_ptr<Connection>> conns;
+    Status why;
+    const char* trigger = nullptr;
+  };
+  // Requires DeviceWatch's lock (engine.cc).
+  static AsyncEventHit MatchLocked(ibv_context* device,
+                                   const ibv_async_event& event);
   // First engine only: the devices' event fds are in its epoll.
   void WatchDevice(ibv_context* device);
   void ReadAsyncEvents(ibv_context* device);
@@ -141,7 +150,7 @@ class Engine final : public internal::PollerHooks {
 
   UniqueFd epoll_fd_;
   UniqueFd wake_fd_;
-  Status start_error_;  // why the engine could not start; Add returns it
+  Status start_error_;  // why the engine could not start (Add drops it)
   std::mutex mu_;
   std::vector<std::shared_ptr<Connection>> added_;  // not yet picked up
   std::atomic<bool> added_pending_{false};          // added_ may be non-empty

@@ -100,12 +100,21 @@ class GpuDirectMover final : public PayloadMover {
     RDMARPC_ASSIGN_OR_RETURN(TensorBuffer landing,
                              internal::AllocateGpuLanding(device.index, size));
     // Pool memory held earlier calls' tensors, and cudaMalloc's is not
-    // zeroed either. The GPU clears at its memory bandwidth.
-    RDMARPC_RETURN_IF_ERROR(internal::CudaClear(landing));
+    // zeroed either. A large landing's clear is waited for in
+    // RegisterLanding, which runs aside for it (kRegisterAsideBytes): a
+    // GPU busy with long kernels may run it late.
+    RDMARPC_RETURN_IF_ERROR(internal::CudaQueueClear(landing));
+    if (size < kRegisterAsideBytes) {
+      RDMARPC_RETURN_IF_ERROR(internal::CudaWaitForClears(device.index));
+    }
     return landing;
   }
   StatusOr<MemoryRegion> RegisterLanding(
       ibv_pd* pd, const TensorBuffer& landing) const override {
+    if (landing.size() >= kRegisterAsideBytes) {
+      RDMARPC_RETURN_IF_ERROR(
+          internal::CudaWaitForClears(landing.device().index));
+    }
     return RegisterGpuMemory(pd, landing.data(), landing.size(), mode_,
                              IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
   }

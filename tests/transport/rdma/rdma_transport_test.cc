@@ -383,15 +383,15 @@ TEST(RdmaTransport, CallbacksRunOnTheCompletionThreadByDefault) {
 // With more than one poller (RDMARPC_RDMA_POLLERS), a client and a server
 // in one process are polled by two engines: the server's inline handler
 // and the client's inline callback run on two engine threads, in parallel.
-// As many pollers as an engine may have: each Add then finds an engine
+// As many pollers as a process may have: each Add then finds an engine
 // without connections, whatever other tests left closing.
 TEST(RdmaTransport, ConnectionsSpreadOverThePollers) {
-  rdmarpc::rdma::Engine::SetPollersForTesting(
-      rdmarpc::rdma::Engine::kMaxPollers);
   Service service;
   int port = 0;
   auto server = StartInlineServer(&service, &port);
   ASSERT_NE(server, nullptr);
+  rdmarpc::rdma::Engine::SetPollersForTesting(
+      rdmarpc::rdma::Engine::kMaxPollers);
   auto stub = E2E::NewStub(RdmaChannel(port));
   const bool connected = EchoOnce(stub.get(), 64, 1);
   rdmarpc::rdma::Engine::SetPollersForTesting(0);
