@@ -134,14 +134,16 @@ inline std::string VacatedTarget() {
 // Options for a channel whose calls these tests expect on a given
 // transport. A loaded machine (a TSan build in the TCG VM) may take seconds
 // to connect or to answer, which the default RDMA timers (5 s, 3 s) would
-// take for a failed path and move the call to gRPC. Tests of those timers
+// take for a failed path and move the call to gRPC. The peer timeout stays
+// under the server's call log window (30 s), so that a call that does go
+// unheard that long is still re-sent, not refused. Tests of those timers
 // set their own.
 inline rdmarpc::ChannelOptions PatientChannelOptions(
     rdmarpc::TransportPolicy policy) {
   rdmarpc::ChannelOptions options;
   options.policy = policy;
   options.rdma_connect_timeout = std::chrono::seconds(60);
-  options.rdma_peer_timeout = std::chrono::seconds(60);
+  options.rdma_peer_timeout = std::chrono::seconds(20);
   return options;
 }
 

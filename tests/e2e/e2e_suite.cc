@@ -88,7 +88,8 @@ TEST_P(E2ETest, ProtobufStyleInlineTensorIsAccepted) {
   req.mutable_tensor()->add_shape(2);
   req.mutable_tensor()->set_data(std::string("\1\0\0\0\2\0\0\0", 8));
   EchoResponse resp;
-  ASSERT_TRUE(stub_->Echo(&ctx, req, &resp).ok());
+  rdmarpc::Status echoed = stub_->Echo(&ctx, req, &resp);
+  ASSERT_TRUE(echoed.ok()) << echoed;
   auto out = ctx.tensors().Get(resp.tensor());
   ASSERT_TRUE(out.ok()) << out.status();
   ASSERT_EQ(out->size(), 8u);
@@ -385,7 +386,8 @@ TEST_P(E2ETest, ReusedContextIsRejected) {
   ClientContext ctx;
   EchoRequest req;
   EchoResponse resp;
-  ASSERT_TRUE(stub_->Echo(&ctx, req, &resp).ok());
+  rdmarpc::Status first = stub_->Echo(&ctx, req, &resp);
+  ASSERT_TRUE(first.ok()) << first;
   EXPECT_EQ(stub_->Echo(&ctx, req, &resp).code(),
             absl::StatusCode::kFailedPrecondition);
 }
@@ -564,7 +566,8 @@ TEST_P(E2ETest, MetadataReachesHandler) {
   EchoRequest req;
   req.set_note("n");
   EchoResponse resp;
-  ASSERT_TRUE(stub_->Echo(&ctx, req, &resp).ok());
+  rdmarpc::Status echoed = stub_->Echo(&ctx, req, &resp);
+  ASSERT_TRUE(echoed.ok()) << echoed;
   EXPECT_EQ(resp.note(), "n|from-client");
 }
 
@@ -659,7 +662,8 @@ TEST_P(E2ETest, MetadataTheRulesRefuseIsNamed) {
   ctx.AddMetadata("x-send-initial", "rdmarpc-mine=v");
   EchoRequest req;
   EchoResponse resp;
-  ASSERT_TRUE(stub_->Echo(&ctx, req, &resp).ok());
+  rdmarpc::Status echoed = stub_->Echo(&ctx, req, &resp);
+  ASSERT_TRUE(echoed.ok()) << echoed;
   EXPECT_NE(resp.note().find("trailing Bad Key: INVALID_ARGUMENT"),
             std::string::npos)
       << resp.note();

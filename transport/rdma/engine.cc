@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "runtime/coarse_clock.h"
 #include "runtime/completion.h"
+#include "runtime/fault_injection.h"
 #include "runtime/spin.h"
 #include "transport/rdma/connection.h"
 #include "transport/rdma/verbs.h"
@@ -446,6 +447,12 @@ void Engine::Loop() {
       }
       ++i;
     }
+    // Fault injection: a test holds a pass that found nothing, on its way
+    // to sleep, to add connections meanwhile.
+    if (!progress) {
+      internal::fault::HoldWhileArmed("rdma.engine.hold_idle_pass",
+                                      "rdma.engine.idle_pass_held");
+    }
     uint64_t now = clock.Now();
     if (now - loop_pass_began_ >= long_pass) {
       long_pass_ended_.store(
@@ -515,8 +522,14 @@ void Engine::HandleEpoll(int timeout_ms) {
   for (int i = 0; i < n; ++i) {
     uint64_t data = events[i].data.u64;
     if (data == 0) {
-      uint64_t count;
-      (void)!read(wake_fd_.get(), &count, sizeof(count));
+      // Drained only by the sleep's wait, after which the loop re-reads
+      // what the wake-up announces (added or closed connections). Drained
+      // by the busy loop's look, it could be swallowed after those checks
+      // and before the sleep, which then never ended for them.
+      if (timeout_ms != 0) {
+        uint64_t count;
+        (void)!read(wake_fd_.get(), &count, sizeof(count));
+      }
     } else if (data & kDeviceTag) {
       ReadAsyncEvents(reinterpret_cast<ibv_context*>(data & ~kDeviceTag));
     } else {

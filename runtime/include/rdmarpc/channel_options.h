@@ -74,6 +74,9 @@ struct ChannelOptions {
   // the server is taken for stuck: the server's RDMA side went silent, or
   // the path loses packets. The connection is dropped and its calls re-sent
   // over gRPC (each runs once). Slow handlers never trip it. 0: never.
+  // Keep it well under the server's call log window (30 s): a call re-sent
+  // later than that after it was first sent is refused with UNAVAILABLE
+  // (the server can no longer tell whether it ran).
   std::chrono::milliseconds rdma_peer_timeout{3000};
   // Degraded: the first probe waits this long, then each wait doubles up
   // to the maximum; every wait is jittered by +-25%. A connection lost

@@ -46,7 +46,7 @@ class ManyTensorsTest : public ::testing::Test {
     // being heard for longer than the default 3 s, and the progress watch
     // moved it to gRPC.
     rdmarpc::ChannelOptions options;
-    options.rdma_peer_timeout = std::chrono::seconds(60);
+    options.rdma_peer_timeout = std::chrono::seconds(20);
     channel_ =
         rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port_), options);
     stub_ = Many::NewStub(channel_);

@@ -57,7 +57,7 @@ TEST(RdmaRegistration, LowMemlockLimitFallsBackToGrpcWithTheReason) {
   // a silent server and moved it to gRPC. This test is about registration.
   rdmarpc::ChannelOptions options;
   options.rdma_connect_timeout = std::chrono::seconds(60);
-  options.rdma_peer_timeout = std::chrono::seconds(60);
+  options.rdma_peer_timeout = std::chrono::seconds(20);
   auto stub = E2E::NewStub(
       rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port), options));
   // A small call: RDMA works within the limit.

@@ -415,6 +415,59 @@ TEST(RdmaTransport, ConnectionsSpreadOverThePollers) {
       << "the client's and the server's connection share an engine";
 }
 
+// A connection added while the engine is on its way to sleep (a pass that
+// found nothing, its periodic look at epoll still ahead) is polled: that
+// look must not swallow the wake-up that announced it. (It did: a fresh
+// channel's first call then went unheard until something else woke the
+// engine, in CI for the whole 60 s peer timeout.) The engine is held in
+// such a pass (fault point) while a second channel connects.
+TEST(RdmaTransport, AConnectionAddedAsTheEngineGoesToSleepIsPolled) {
+  namespace fault = rdmarpc::internal::fault;
+  Service service;
+  int port = 0;
+  auto server = StartServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  auto first = E2E::NewStub(RdmaChannel(port));
+  ASSERT_TRUE(EchoOnce(first.get(), 64, 1));
+  // A long spin keeps the engine passing over its idle connections after
+  // the next call, so the hold catches it in such a pass with nothing
+  // pending (pending work would send it round again, past the bug).
+  rdmarpc::internal::SetSpinForTesting(std::chrono::seconds(30));
+  ASSERT_TRUE(EchoOnce(first.get(), 64, 2));
+  fault::Arm("rdma.engine.hold_idle_pass");
+  bool held = false;
+  for (int i = 0; i < 30000 && !held; ++i) {
+    held = fault::Take("rdma.engine.idle_pass_held").has_value();
+    if (!held) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  // Released, the pass goes to sleep at once.
+  rdmarpc::internal::SetSpinForTesting(std::chrono::microseconds(0));
+
+  auto second_channel = RdmaChannel(port);
+  auto second = E2E::NewStub(second_channel);
+  ClientContext ctx;
+  ctx.set_timeout(std::chrono::seconds(30));
+  EchoRequest req;
+  req.set_note("second");
+  EchoResponse resp;
+  std::future<rdmarpc::Status> done = second->EchoFuture(&ctx, req, &resp);
+  for (int i = 0; i < 60000 && second_channel->transport_stats().health !=
+                                   rdmarpc::RdmaHealth::kReady;
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  const rdmarpc::RdmaHealth health = second_channel->transport_stats().health;
+  fault::Disarm("rdma.engine.hold_idle_pass");
+  ASSERT_TRUE(held) << "the engine never passed idly while the hold was armed";
+  ASSERT_EQ(health, rdmarpc::RdmaHealth::kReady)
+      << second_channel->transport_stats().ToString();
+  rdmarpc::Status s = done.get();
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(resp.note(), "second");
+  EXPECT_EQ(ctx.stats().transport, rdmarpc::TransportKind::kRdma)
+      << ctx.stats().transport_reason;
+}
+
 // A caller blocked in Channel::Call takes its connection's queue from the
 // engine while it spins and polls it itself: its response completes on its
 // own thread. The spin is made long enough to catch every response on a
