@@ -149,6 +149,16 @@ bool EchoOnce(E2E::Stub* stub, size_t size, uint32_t seed) {
          std::memcmp(out->data(), bytes.data(), size) == 0;
 }
 
+// Whether the fault point `held` was armed (and takes it), within 60 s: a
+// thread held by HoldWhileArmed arms it once it waits.
+bool WaitUntilArmed(const char* held) {
+  for (int i = 0; i < 60000; ++i) {
+    if (rdmarpc::internal::fault::Take(held).has_value()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return false;
+}
+
 // 8 threads make 8 echoes each, call i of a thread with size_of(i) bytes;
 // how many came back byte-exact over RDMA.
 int EchoFromEightThreads(E2E::Stub* stub, size_t (*size_of)(int i),
@@ -435,11 +445,7 @@ TEST(RdmaTransport, AConnectionAddedAsTheEngineGoesToSleepIsPolled) {
   rdmarpc::internal::SetSpinForTesting(std::chrono::seconds(30));
   ASSERT_TRUE(EchoOnce(first.get(), 64, 2));
   fault::Arm("rdma.engine.hold_idle_pass");
-  bool held = false;
-  for (int i = 0; i < 30000 && !held; ++i) {
-    held = fault::Take("rdma.engine.idle_pass_held").has_value();
-    if (!held) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+  const bool held = WaitUntilArmed("rdma.engine.idle_pass_held");
   // Released, the pass goes to sleep at once.
   rdmarpc::internal::SetSpinForTesting(std::chrono::microseconds(0));
 
@@ -639,12 +645,7 @@ void SmallCallsGoOnWhileALargeOneIsHeld(
   std::promise<rdmarpc::Status> large_done;
   large->Echo(&ctx, req, &resp,
               [&](rdmarpc::Status s) { large_done.set_value(std::move(s)); });
-  bool waiting = false;
-  for (int i = 0; i < 6000 && !waiting; ++i) {
-    waiting = rdmarpc::internal::fault::Take(held).has_value();
-    if (!waiting) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_TRUE(waiting) << held << " never armed";
+  EXPECT_TRUE(WaitUntilArmed(held)) << held << " never armed";
   for (int i = 0; i < small_calls; ++i) {
     EXPECT_TRUE(EchoOnce(small, i % 2 ? small_bytes : 200, 10 + i));
   }
