@@ -24,6 +24,7 @@
 #include "runtime/completion.h"
 #include "runtime/metadata.h"
 #include "transport/grpc/lean_codec.h"
+#include "transport/grpc/release_mutexes.h"
 #include "transport/grpc/status_convert.h"
 #include "transport/grpc/tsan_tags.h"
 
@@ -447,6 +448,7 @@ void QueuedCall::End() {
 GrpcClientTransport::GrpcClientTransport(const std::string& target,
                                          const ChannelOptions& options)
     : channel_([&] {
+        UseReleaseModeMutexes();
         grpc::ChannelArguments args;
         // Tensors travel in chunks, but a plain message may still be large.
         args.SetMaxReceiveMessageSize(-1);

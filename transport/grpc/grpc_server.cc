@@ -28,6 +28,7 @@
 #include "runtime/metadata.h"
 #include "runtime/tensor_walk.h"
 #include "transport/grpc/lean_codec.h"
+#include "transport/grpc/release_mutexes.h"
 #include "transport/grpc/status_convert.h"
 #include "transport/grpc/tsan_tags.h"
 
@@ -554,6 +555,7 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::Start(
     const std::vector<std::pair<std::string, int*>>& ports,
     const ListenOptions& listen, internal::Dispatcher* dispatcher,
     std::map<std::string, InternalMethod> internal_methods) {
+  UseReleaseModeMutexes();
   std::unique_ptr<GrpcServerTransport> t(new GrpcServerTransport());
   t->service_ =
       std::make_unique<Service>(dispatcher, std::move(internal_methods));
