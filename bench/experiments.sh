@@ -117,13 +117,20 @@ rpc_syscalls() {
 # does not drift between runs the way timings do. (perftest busy-polls, so
 # its count is its waiting time: no reference row.) Prints
 # "instructions,SYSTEM-STYLE,64,per_call,V,n".
+# stock-release-mutexes is stock gRPC with Abseil's debug deadlock detector
+# off, as rdmarpc's gRPC transports turn it off (release_mutexes.h).
 rpc_instructions() {
-  local style="$1" sys="$2" n
+  local style="$1" sys="$2" n run_sys="$2" release=0
+  if [[ "$sys" == stock-release-mutexes ]]; then
+    run_sys=stock
+    release=1
+  fi
   for n in 1000 3000; do
-    RDMARPC_BENCH_UNDER_VALGRIND=1 RDMARPC_BENCH_CALLS=$n \
+    RDMARPC_BENCH_RELEASE_MUTEXES=$release \
+      RDMARPC_BENCH_UNDER_VALGRIND=1 RDMARPC_BENCH_CALLS=$n \
       valgrind --tool=callgrind --fair-sched=yes --vgdb=no \
       --callgrind-out-file="$sc_tmp/cg.$n" \
-      "$bin/rpc_bench" "$style" "$sys" 64 >/dev/null 2>&1
+      "$bin/rpc_bench" "$style" "$run_sys" 64 >/dev/null 2>&1
   done
   awk '/^totals:/ {t[FILENAME] = $2}
        END {printf "instructions,%s-%s,64,per_call,%.0f,n\n", sys, style,
@@ -131,15 +138,17 @@ rpc_instructions() {
     a="$sc_tmp/cg.1000" b="$sc_tmp/cg.3000" "$sc_tmp/cg.1000" "$sc_tmp/cg.3000"
 }
 instructions_all() {
-  local sys
+  local sys prefix
   for sys in "$@"; do
-    COMMAND_TEXT="RDMARPC_BENCH_UNDER_VALGRIND=1 RDMARPC_BENCH_CALLS=1000|3000 valgrind --tool=callgrind --fair-sched=yes $bin/rpc_bench blocking $sys 64" \
+    prefix=""
+    [[ "$sys" == stock-release-mutexes ]] && prefix="RDMARPC_BENCH_RELEASE_MUTEXES=1 "
+    COMMAND_TEXT="${prefix}RDMARPC_BENCH_UNDER_VALGRIND=1 RDMARPC_BENCH_CALLS=1000|3000 valgrind --tool=callgrind --fair-sched=yes $bin/rpc_bench blocking ${sys%-release-mutexes} 64" \
       run instructions rpc_instructions blocking "$sys"
   done
 }
 
 if [[ "$group" == grpc ]]; then
-  instructions_all grpc-inline stock
+  instructions_all grpc-inline stock stock-release-mutexes
   for sys in grpc grpc-inline stock; do
     for style in blocking latency; do
       COMMAND_TEXT="RDMARPC_BENCH_CALLS=500|2500 perf stat -e $sc_events $bin/rpc_bench $style $sys 64" \

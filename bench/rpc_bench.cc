@@ -33,6 +33,10 @@
 // cost: reading the clock around each call would add two system calls per
 // call in a VM whose clock source traps); their latency rows then read 0.
 //
+// RDMARPC_BENCH_RELEASE_MUTEXES=1 turns Abseil's debug deadlock detector
+// off from the start, as rdmarpc's gRPC transports do: for stock gRPC on
+// the same terms (transport/grpc/release_mutexes.h).
+//
 // SYSTEM: rdma (rdmarpc, policy rdma, the server's handlers on its worker
 // pool: SetRunHandlersInline(false)), grpc (rdmarpc's gRPC fallback, policy
 // grpc, the same), rdma-inline and grpc-inline (the same with handlers run
@@ -59,6 +63,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "e2e_test.rdmarpc.pb.h"
 #include "rdmarpc/rdmarpc.h"
 #include "stock.grpc.pb.h"
@@ -472,6 +477,10 @@ int main(int argc, char** argv) {
       g_system != "rdma-inline" && g_system != "grpc-inline" &&
       g_system != "rdma-pollers2-inline") {
     Fail("unknown system");
+  }
+  if (const char* release = std::getenv("RDMARPC_BENCH_RELEASE_MUTEXES");
+      release != nullptr && std::string_view(release) == "1") {
+    absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   }
   // Read when the first connection starts an engine.
   if (g_system == "rdma-pollers2-inline")

@@ -74,6 +74,15 @@ class E2EService final : public E2E::Service {
     }
     note += SendRequestedMetadata(ctx);
     resp->set_note(note);
+    if (req.reply_bytes() > 0) {
+      const std::vector<uint8_t> bytes =
+          Pattern(static_cast<size_t>(req.reply_bytes()), 7);
+      RDMARPC_ASSIGN_OR_RETURN(rdmarpc::TensorBuffer reply,
+                               rdmarpc::TensorBuffer::Allocate(bytes.size()));
+      std::memcpy(reply.data(), bytes.data(), bytes.size());
+      return ctx->tensors().Set(resp->mutable_tensor(), rdmarpc::DTYPE_U8,
+                                {req.reply_bytes()}, std::move(reply));
+    }
     if (!req.has_tensor()) return absl::OkStatus();
     RDMARPC_ASSIGN_OR_RETURN(rdmarpc::TensorView in,
                              ctx->tensors().Get(req.tensor()));

@@ -1,10 +1,13 @@
 #include "transport/grpc/grpc_client.h"
 
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
 #include <grpcpp/client_context.h>
 #include <grpcpp/completion_queue.h>
-#include <grpcpp/create_channel.h>
-#include <grpcpp/security/credentials.h>
+#include <grpcpp/impl/call.h>
+#include <grpcpp/impl/call_op_set.h>
 #include <grpcpp/support/channel_arguments.h>
+#include <grpcpp/support/time.h>
 #include <pthread.h>
 
 #include <atomic>
@@ -31,23 +34,30 @@
 namespace rdmarpc::grpc_transport {
 namespace {
 
-// Lets ClientContext::TryCancel reach the grpc::ClientContext while the
-// call runs, and nothing after.
+// Lets ClientContext::TryCancel reach the gRPC call while it runs, and
+// nothing after. A cancel that comes before the call exists is kept and
+// applied when it starts.
 class GrpcCanceller final : public internal::CallCanceller {
  public:
-  explicit GrpcCanceller(grpc::ClientContext* ctx) : ctx_(ctx) {}
   void Cancel() override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (ctx_ != nullptr) ctx_->TryCancel();
+    cancelled_ = true;
+    if (call_ != nullptr) grpc_call_cancel(call_, nullptr);
+  }
+  void Attach(grpc_call* call) {
+    std::lock_guard<std::mutex> lock(mu_);
+    call_ = call;
+    if (cancelled_) grpc_call_cancel(call_, nullptr);
   }
   void Detach() {
     std::lock_guard<std::mutex> lock(mu_);
-    ctx_ = nullptr;
+    call_ = nullptr;
   }
 
  private:
   std::mutex mu_;
-  grpc::ClientContext* ctx_;
+  grpc_call* call_ = nullptr;  // guarded by mu_
+  bool cancelled_ = false;     // guarded by mu_
 };
 
 // The entries of gRPC's metadata a handler may have sent: the runtime's
@@ -63,16 +73,82 @@ std::multimap<std::string, std::string> UserMetadata(
   return out;
 }
 
+}  // namespace
+
+// Where lean calls start: the core channel under the grpc::Channel, the
+// grpc::Channel as the hook that runs grpcpp operation sets on a call, and
+// each method path registered with the channel once (as generated stubs
+// register theirs), so that a call does not copy its path.
+class LeanTarget {
+ public:
+  LeanTarget(grpc::Channel* channel, grpc_channel* core, std::string host)
+      : channel_(channel), core_(core), host_(std::move(host)) {}
+
+  grpc::internal::CallHook* hook() const { return channel_; }
+
+  // A new call to `method` with one reference, for the caller to drop.
+  grpc_call* CreateCall(const std::string& method, grpc_completion_queue* cq,
+                        gpr_timespec deadline) const {
+    const char* host = host_.empty() ? nullptr : host_.c_str();
+    void* registered = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = registered_.find(method);
+      if (it != registered_.end()) {
+        registered = it->second;
+      } else if (registered_.size() < kMaxRegisteredMethods) {
+        registered =
+            grpc_channel_register_call(core_, method.c_str(), host, nullptr);
+        registered_.emplace(method, registered);
+      }
+    }
+    if (registered != nullptr) {
+      return grpc_channel_create_registered_call(core_, nullptr,
+                                                 GRPC_PROPAGATE_DEFAULTS, cq,
+                                                 registered, deadline, nullptr);
+    }
+    grpc_slice path =
+        grpc_slice_from_copied_buffer(method.data(), method.size());
+    grpc_slice host_slice =
+        grpc_slice_from_copied_buffer(host_.data(), host_.size());
+    grpc_call* call = grpc_channel_create_call(
+        core_, nullptr, GRPC_PROPAGATE_DEFAULTS, cq, path,
+        host == nullptr ? nullptr : &host_slice, deadline, nullptr);
+    grpc_slice_unref(path);
+    grpc_slice_unref(host_slice);
+    return call;
+  }
+
+ private:
+  // A registration lives as long as the channel: past this many distinct
+  // paths (a client that makes up method names) calls copy their path.
+  static constexpr size_t kMaxRegisteredMethods = 256;
+
+  grpc::Channel* channel_;
+  grpc_channel* core_;
+  std::string host_;
+  mutable std::mutex mu_;
+  mutable std::map<std::string, void*, std::less<>> registered_;  // mu_
+};
+
+namespace {
+
 // What one lean call holds, whichever thread drives it: the request as a
 // head and chunks, the response's receiver, and the outcome. The caller of
 // `done` waits for gRPC to release every slice that references the request's
 // tensor memory (see DeferredCompletion).
+//
+// The call is a core gRPC call driven with grpcpp's operation sets, so that
+// a request of one message goes out in the same batch that reads the
+// response, as a unary call's does: two batches per small call (that one
+// and the status) where a stream's API takes three.
 class LeanCall {
  public:
   // An operation's tag is the call's address with the operation in its
   // low bits, which alignment leaves free.
-  enum Op : uintptr_t { kWrite = 1, kRead = 2, kFinish = 3 };
-  static_assert(alignof(grpc::ClientContext) > kFinish);
+  enum Op : uintptr_t { kFirst = 1, kWrite = 2, kRead = 3, kFinish = 4 };
+  static constexpr uintptr_t kOpMask = 7;
+  static_assert(alignof(grpc::ClientContext) > kOpMask);
 
   LeanCall(internal::ClientCall call, size_t chunk_bytes)
       : call_(std::move(call)),
@@ -80,8 +156,12 @@ class LeanCall {
         receiver_(
             [this](const LeanHead& head) { return OnResponseHead(head); }) {}
 
-  // Plans and serializes the request and sets up gctx_. On an error the
-  // call must end with FailBeforeStart.
+  ~LeanCall() {
+    if (grpc_call_ != nullptr) grpc_call_unref(grpc_call_);
+  }
+
+  // Plans and serializes the request and gathers what the call starts
+  // with. On an error the call must end with FailBeforeStart.
   Status Prepare() {
     ClientContext* ctx = call_.ctx;
     RDMARPC_ASSIGN_OR_RETURN(
@@ -106,59 +186,85 @@ class LeanCall {
         sender_, LeanSender::Create(std::move(message), plan, call_.call_id,
                                     chunk_bytes_, completion_));
 
-    gctx_.AddMetadata(kFramingKey, kFramingLean);
+    send_metadata_.emplace(kFramingKey, kFramingLean);
     if (call_.resend) {
       auto age = std::chrono::duration_cast<std::chrono::milliseconds>(
           std::chrono::steady_clock::now() - call_.resend->first_sent);
-      gctx_.AddMetadata(kResendKey, absl::StrCat(call_.resend->client_id, ".",
-                                                 call_.resend->server_instance,
-                                                 ".", age.count()));
+      send_metadata_.emplace(
+          kResendKey,
+          absl::StrCat(call_.resend->client_id, ".",
+                       call_.resend->server_instance, ".", age.count()));
     }
-    for (const auto& [k, v] : ctx->metadata()) gctx_.AddMetadata(k, v);
-    if (ctx->deadline()) gctx_.set_deadline(*ctx->deadline());
-    gctx_.set_wait_for_ready(ctx->wait_for_ready());
-    // The metadata goes out with the first message, in one batch.
-    gctx_.set_initial_metadata_corked(true);
-    canceller_ = std::make_shared<GrpcCanceller>(&gctx_);
+    for (const auto& [k, v] : ctx->metadata()) send_metadata_.emplace(k, v);
+    if (ctx->deadline()) {
+      deadline_ = grpc::TimePoint<std::chrono::system_clock::time_point>(
+                      *ctx->deadline())
+                      .raw_time();
+    }
+    // As grpc::ClientContext::set_wait_for_ready sets them.
+    metadata_flags_ =
+        GRPC_INITIAL_METADATA_WAIT_FOR_READY_EXPLICITLY_SET |
+        (ctx->wait_for_ready() ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0u);
+    canceller_ = std::make_shared<GrpcCanceller>();
     if (!internal::ClientContextAccess::AttachCanceller(ctx, canceller_)) {
       return absl::CancelledError("call cancelled before start");
     }
     return absl::OkStatus();
   }
 
-  // Starts the lean stream on `cq`: the first request message (with the
-  // metadata and, for a small request, the half-close), a read and the
-  // finish, all at once. The status comes after the last response message;
-  // asking for it now saves a round through the queue. Once it returns,
-  // `this` belongs to the thread that polls `cq`.
-  void StartOn(grpc::GenericStub* stub, grpc::CompletionQueue* cq) {
-    stream_ = stub->PrepareCall(&gctx_, call_.method, cq);
-    // Corked: the metadata goes with the first write, and no tag comes back.
-    stream_->StartCall(nullptr);
+  // Starts the lean stream on `cq`: the first request message with the
+  // metadata, the half-close and the response's first read when the
+  // request is one message (else the read apart), and the finish, all at
+  // once. The status comes after the last response message; asking for it
+  // now saves a round through the queue. Once it returns, `this` belongs to
+  // the thread that polls `cq`.
+  void StartOn(const LeanTarget& target, grpc::CompletionQueue* cq) {
+    grpc_call_ = target.CreateCall(call_.method, cq->cq(), deadline_);
+    ops_call_ = grpc::internal::Call(grpc_call_, target.hook(), cq);
+    canceller_->Attach(grpc_call_);
     bool last = false;
     const bool write = NextWrite(&last);
-    pending_.store(write ? 3 : 2, std::memory_order_relaxed);
-    stream_->Read(&read_buf_, Tag(kRead));
-    stream_->Finish(&grpc_status_, Tag(kFinish));
+    first_reads_ = write && last;
+    pending_.store(write && !last ? 3 : 2, std::memory_order_relaxed);
+    finish_.ClientRecvStatus(&gctx_, &grpc_status_);
+    finish_.set_output_tag(Tag(kFinish));
+    ops_call_.PerformOps(&finish_);
+    if (!write) return StartRead();
+    if (!first_reads_) StartRead();
+    first_.SendInitialMetadata(&send_metadata_, metadata_flags_);
+    SetMessage(&first_, last);
+    if (first_reads_) {
+      first_.RecvInitialMetadata(&gctx_);
+      first_.RecvMessage(&read_buf_);
+      first_.AllowNoMessage();
+    }
+    first_.set_output_tag(Tag(kFirst));
     // Last: its completion may start the next write on another thread.
-    if (write) Write(last);
+    ops_call_.PerformOps(&first_);
   }
 
   // Handles an operation that came back: true when it was the call's
   // last, and Conclude may run.
   bool Handle(Op op, bool ok) {
     switch (op) {
+      case kFirst:
+        if (first_reads_) {
+          // The whole request went out with the half-close; a response
+          // that is not whole yet is read on.
+          if (ok && first_.got_message && OnRead()) StartReadAgain();
+          break;
+        }
+        [[fallthrough]];
       case kWrite:
         if (bool last = false; ok && NextWrite(&last)) {
           pending_.fetch_add(1, std::memory_order_relaxed);
-          Write(last);
+          SetMessage(&write_, last);
+          write_.set_output_tag(Tag(kWrite));
+          ops_call_.PerformOps(&write_);
         }
         break;
       case kRead:
-        if (ok && OnRead()) {
-          pending_.fetch_add(1, std::memory_order_relaxed);
-          stream_->Read(&read_buf_, Tag(kRead));
-        }
+        if (ok && OnRead()) StartReadAgain();
         break;
       case kFinish:
         break;
@@ -168,7 +274,7 @@ class LeanCall {
 
   // The call's outcome from gRPC's status; arms completion_ with `done`.
   // The done runs when the last reference to completion_ goes.
-  void Conclude(const grpc::Status& grpc_status) {
+  void Conclude() {
     canceller_->Detach();
     internal::ClientContextAccess::DetachCanceller(call_.ctx);
     Status status;
@@ -176,7 +282,7 @@ class LeanCall {
       std::lock_guard<std::mutex> lock(mu_);
       status = local_error_;
     }
-    if (status.ok()) status = FromGrpc(grpc_status);
+    if (status.ok()) status = FromGrpc(grpc_status_);
     if (status.ok()) status = receiver_.OnEnd();
     if (!status.ok() && status.code() == StatusCode::kCancelled &&
         call_.ctx->IsCancelled()) {
@@ -218,9 +324,9 @@ class LeanCall {
   }
   static std::pair<LeanCall*, Op> Untag(void* tag) {
     const auto bits = reinterpret_cast<uintptr_t>(tag);
-    auto* call = reinterpret_cast<LeanCall*>(bits & ~uintptr_t{3});
+    auto* call = reinterpret_cast<LeanCall*>(bits & ~kOpMask);
     TsanAcquire(call);
-    return {call, static_cast<Op>(bits & 3)};
+    return {call, static_cast<Op>(bits & kOpMask)};
   }
 
   void FailLocally(Status s) {
@@ -228,7 +334,7 @@ class LeanCall {
       std::lock_guard<std::mutex> lock(mu_);
       local_error_ = std::move(s);
     }
-    gctx_.TryCancel();
+    canceller_->Cancel();
   }
 
   // Fills write_buf_ with the next request message: false when none is left
@@ -242,10 +348,33 @@ class LeanCall {
     return *more;
   }
 
-  void Write(bool last) {
+  // Puts write_buf_ into `ops`, with the half-close when it is the last.
+  template <typename Ops>
+  void SetMessage(Ops* ops, bool last) {
     grpc::WriteOptions options;
-    if (last) options.set_last_message();
-    stream_->Write(write_buf_, options, Tag(kWrite));
+    if (last) {
+      options.set_buffer_hint();
+      ops->ClientSendClose();
+    }
+    if (grpc::Status added = ops->SendMessage(write_buf_, options);
+        !added.ok()) {
+      FailLocally(FromGrpc(added));
+    }
+  }
+
+  // The response's first read when the request did not carry it.
+  void StartRead() {
+    read_.RecvInitialMetadata(&gctx_);
+    read_.RecvMessage(&read_buf_);
+    read_.set_output_tag(Tag(kRead));
+    ops_call_.PerformOps(&read_);
+  }
+
+  void StartReadAgain() {
+    pending_.fetch_add(1, std::memory_order_relaxed);
+    read_.RecvMessage(&read_buf_);
+    read_.set_output_tag(Tag(kRead));
+    ops_call_.PerformOps(&read_);
   }
 
   // Takes read_buf_: whether another read is wanted.
@@ -274,14 +403,35 @@ class LeanCall {
 
   internal::ClientCall call_;
   size_t chunk_bytes_;
+  // Only where the server's metadata lands: the call is grpc_call_.
   grpc::ClientContext gctx_;
+  std::multimap<std::string, std::string> send_metadata_;
+  uint32_t metadata_flags_ = 0;
+  gpr_timespec deadline_ = gpr_inf_future(GPR_CLOCK_REALTIME);
   std::shared_ptr<GrpcCanceller> canceller_;
   std::shared_ptr<internal::DeferredCompletion> completion_;
   std::optional<LeanSender> sender_;
   LeanReceiver receiver_;
   grpc::ByteBuffer write_buf_;
   grpc::ByteBuffer read_buf_;
-  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> stream_;
+  grpc_call* grpc_call_ = nullptr;  // one reference, dropped with this
+  grpc::internal::Call ops_call_;
+  // The first batch: metadata and the first request message, with the
+  // half-close and the first read when first_reads_.
+  grpc::internal::CallOpSet<grpc::internal::CallOpSendInitialMetadata,
+                            grpc::internal::CallOpSendMessage,
+                            grpc::internal::CallOpClientSendClose,
+                            grpc::internal::CallOpRecvInitialMetadata,
+                            grpc::internal::CallOpRecvMessage<grpc::ByteBuffer>>
+      first_;
+  bool first_reads_ = false;
+  grpc::internal::CallOpSet<grpc::internal::CallOpSendMessage,
+                            grpc::internal::CallOpClientSendClose>
+      write_;
+  grpc::internal::CallOpSet<grpc::internal::CallOpRecvInitialMetadata,
+                            grpc::internal::CallOpRecvMessage<grpc::ByteBuffer>>
+      read_;
+  grpc::internal::CallOpSet<grpc::internal::CallOpClientRecvStatus> finish_;
   grpc::Status grpc_status_;
   // Operations started and not yet back.
   std::atomic<int> pending_{0};
@@ -297,7 +447,7 @@ class LeanCall {
 class QueuedCall final : private LeanCall {
  public:
   static void Start(internal::ClientCall call, size_t chunk_bytes,
-                    grpc::GenericStub* stub, CallQueue* queue);
+                    const LeanTarget& target, CallQueue* queue);
 
   // An operation of a call on `queue` came back.
   static void OnEvent(void* tag, bool ok) {
@@ -335,30 +485,29 @@ class CallerDrivenCall final : private LeanCall {
   using LeanCall::LeanCall;
 
   static void Run(internal::ClientCall call, size_t chunk_bytes,
-                  grpc::GenericStub* stub) {
+                  const LeanTarget& target) {
     auto* self = new CallerDrivenCall(std::move(call), chunk_bytes);
     if (Status s = self->Prepare(); !s.ok()) {
       return FailBeforeStart(self, std::move(s));
     }
-    self->Drive(stub);
+    self->Drive(target);
     delete self;  // drops gRPC's slices: `done` runs here, if not before
   }
 
  private:
   friend class LeanCall;
 
-  void Drive(grpc::GenericStub* stub) {
+  void Drive(const LeanTarget& target) {
     grpc::CompletionQueue cq;
-    StartOn(stub, &cq);
+    StartOn(target, &cq);
     void* tag = nullptr;
     bool ok = false;
     bool ended = false;
     while (!ended && cq.Next(&tag, &ok)) ended = Handle(Untag(tag).second, ok);
-    stream_.reset();
     cq.Shutdown();
     while (cq.Next(&tag, &ok)) {
     }
-    Conclude(grpc_status_);
+    Conclude();
   }
 };
 
@@ -426,70 +575,82 @@ class CallQueue {
 namespace {
 
 void QueuedCall::Start(internal::ClientCall call, size_t chunk_bytes,
-                       grpc::GenericStub* stub, CallQueue* queue) {
+                       const LeanTarget& target, CallQueue* queue) {
   auto* self = new QueuedCall(std::move(call), chunk_bytes, queue);
   if (Status s = self->Prepare(); !s.ok()) {
     return FailBeforeStart(self, std::move(s));
   }
   // Listed before it starts, so that the transport's end can cancel it.
   queue->Add(self);
-  self->StartOn(stub, queue->cq());
+  self->StartOn(target, queue->cq());
 }
 
 void QueuedCall::End() {
-  stream_.reset();
-  Conclude(grpc_status_);
+  Conclude();
   queue_->Remove(this);
   delete this;
 }
 
 }  // namespace
 
+GrpcClientTransport::GrpcRuntime::GrpcRuntime() { grpc_init(); }
+GrpcClientTransport::GrpcRuntime::~GrpcRuntime() { grpc_shutdown(); }
+
+// The channel is made with gRPC's core API, which the lean calls use, and
+// wrapped in a grpc::Channel for the rest.
 GrpcClientTransport::GrpcClientTransport(const std::string& target,
                                          const ChannelOptions& options)
-    : channel_([&] {
-        UseReleaseModeMutexes();
-        grpc::ChannelArguments args;
-        // Tensors travel in chunks, but a plain message may still be large.
-        args.SetMaxReceiveMessageSize(-1);
-        args.SetMaxSendMessageSize(-1);
-        args.SetInt(GRPC_ARG_MAX_METADATA_SIZE,
-                    internal::kGrpcMetadataLimitBytes);
-        // gRPC is the fallback: after a server restart it must come back in
-        // seconds, not after gRPC's default backoff of up to 120 s. gRPC
-        // reads the "min reconnect backoff" as the least time it gives one
-        // connect attempt: at 100 ms a slow host (a TCG VM) missed
-        // its first HTTP/2 handshake. A refused connect still fails at once.
-        args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-        args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 5000);
-        args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
-        if (options.keepalive_time.count() > 0) {
-          args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS,
-                      static_cast<int>(options.keepalive_time.count()));
-          args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
-                      static_cast<int>(options.keepalive_timeout.count()));
-          args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-        }
-        std::shared_ptr<grpc::ChannelCredentials> credentials =
-            grpc::InsecureChannelCredentials();
-        if (options.tls) {
-          grpc::SslCredentialsOptions ssl;
-          ssl.pem_root_certs = options.tls->root_certs_pem;
-          ssl.pem_cert_chain = options.tls->cert_chain_pem;
-          ssl.pem_private_key = options.tls->private_key_pem;
-          credentials = grpc::SslCredentials(ssl);
-          if (!options.tls->server_name_override.empty()) {
-            args.SetSslTargetNameOverride(options.tls->server_name_override);
-          }
-        }
-        return grpc::CreateCustomChannel(target, credentials, args);
-      }()),
-      stub_(channel_),
-      chunk_bytes_(options.grpc_chunk_bytes),
-      queue_(std::make_unique<CallQueue>()) {}
+    : chunk_bytes_(options.grpc_chunk_bytes) {
+  UseReleaseModeMutexes();
+  grpc::ChannelArguments args;
+  // Tensors travel in chunks, but a plain message may still be large.
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  args.SetInt(GRPC_ARG_MAX_METADATA_SIZE, internal::kGrpcMetadataLimitBytes);
+  // gRPC is the fallback: after a server restart it must come back in
+  // seconds, not after gRPC's default backoff of up to 120 s. gRPC reads
+  // the "min reconnect backoff" as the least time it gives one connect
+  // attempt: at 100 ms a slow host (a TCG VM) missed its first HTTP/2
+  // handshake. A refused connect still fails at once.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 5000);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  if (options.keepalive_time.count() > 0) {
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS,
+                static_cast<int>(options.keepalive_time.count()));
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                static_cast<int>(options.keepalive_timeout.count()));
+    args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  }
+  grpc_channel_credentials* credentials = nullptr;
+  std::string host;
+  if (options.tls) {
+    const TlsChannelCredentials& tls = *options.tls;
+    grpc_ssl_pem_key_cert_pair key_and_chain = {tls.private_key_pem.c_str(),
+                                                tls.cert_chain_pem.c_str()};
+    credentials = grpc_ssl_credentials_create(
+        tls.root_certs_pem.empty() ? nullptr : tls.root_certs_pem.c_str(),
+        tls.private_key_pem.empty() ? nullptr : &key_and_chain, nullptr,
+        nullptr);
+    if (!tls.server_name_override.empty()) {
+      args.SetSslTargetNameOverride(tls.server_name_override);
+      host = tls.server_name_override;
+    }
+  } else {
+    credentials = grpc_insecure_credentials_create();
+  }
+  grpc_channel_args core_args;
+  args.SetChannelArgs(&core_args);
+  grpc_channel* core =
+      grpc_channel_create(target.c_str(), credentials, &core_args);
+  grpc_channel_credentials_release(credentials);
+  channel_ = grpc::CreateChannelInternal(host, core, {});
+  stub_ = std::make_unique<grpc::GenericStub>(channel_);
+  target_ = std::make_unique<LeanTarget>(channel_.get(), core, host);
+  queue_ = std::make_unique<CallQueue>();
+}
 
-// The calls first: each holds a reference to the grpc::Channel, so that
-// the last one goes here, on the thread that drops the rdmarpc::Channel.
+// The calls first (each uses the channel), then the channel, then gRPC.
 GrpcClientTransport::~GrpcClientTransport() { queue_.reset(); }
 
 StatusOr<std::string> GrpcClientTransport::UnaryBytes(
@@ -501,9 +662,9 @@ StatusOr<std::string> GrpcClientTransport::UnaryBytes(
   grpc::ByteBuffer request_buf(&slice, 1);
   grpc::ByteBuffer response_buf;
   std::promise<grpc::Status> done;
-  stub_.UnaryCall(&ctx, method, grpc::StubOptions(), &request_buf,
-                  &response_buf,
-                  [&done](grpc::Status s) { done.set_value(std::move(s)); });
+  stub_->UnaryCall(&ctx, method, grpc::StubOptions(), &request_buf,
+                   &response_buf,
+                   [&done](grpc::Status s) { done.set_value(std::move(s)); });
   grpc::Status status = done.get_future().get();
   if (!status.ok()) return FromGrpc(status);
   std::vector<grpc::Slice> slices;
@@ -519,10 +680,10 @@ StatusOr<std::string> GrpcClientTransport::UnaryBytes(
 
 void GrpcClientTransport::Start(internal::ClientCall call) {
   if (call.caller_drives) {
-    CallerDrivenCall::Run(std::move(call), chunk_bytes_, &stub_);
+    CallerDrivenCall::Run(std::move(call), chunk_bytes_, *target_);
     return;
   }
-  QueuedCall::Start(std::move(call), chunk_bytes_, &stub_, queue_.get());
+  QueuedCall::Start(std::move(call), chunk_bytes_, *target_, queue_.get());
 }
 
 }  // namespace rdmarpc::grpc_transport

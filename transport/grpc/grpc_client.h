@@ -16,6 +16,7 @@
 namespace rdmarpc::grpc_transport {
 
 class CallQueue;
+class LeanTarget;
 
 class GrpcClientTransport final : public internal::ClientTransport,
                                   public internal::SetupChannel {
@@ -36,9 +37,18 @@ class GrpcClientTransport final : public internal::ClientTransport,
                                    std::chrono::milliseconds timeout) override;
 
  private:
-  std::shared_ptr<grpc::Channel> channel_;
-  grpc::GenericStub stub_;
+  // Holds gRPC's library up from before the channel is made (with gRPC's
+  // core API) until after it is gone.
+  struct GrpcRuntime {
+    GrpcRuntime();
+    ~GrpcRuntime();
+  };
+
+  GrpcRuntime runtime_;
   size_t chunk_bytes_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<grpc::GenericStub> stub_;
+  std::unique_ptr<LeanTarget> target_;
   // Carries the calls that no caller waits on (CallAsync, CallFuture).
   std::unique_ptr<CallQueue> queue_;
 };

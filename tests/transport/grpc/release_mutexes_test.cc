@@ -1,8 +1,8 @@
 // A channel turns off Abseil's debug deadlock detector, which Debian's
 // Abseil runs on every absl::Mutex (transport/grpc/release_mutexes.h), and
 // RDMARPC_ABSL_DEADLOCK_DETECTION=1 keeps it on.
-#include <gtest/gtest.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
