@@ -189,6 +189,13 @@ class ServerDispatcher final : public Dispatcher {
     return it == methods_.end() ? nullptr : &it->second;
   }
 
+  std::vector<std::string> MethodPaths() const override {
+    std::vector<std::string> paths;
+    paths.reserve(methods_.size());
+    for (const auto& [path, method] : methods_) paths.push_back(path);
+    return paths;
+  }
+
   uint64_t max_request_tensor_bytes() const override {
     return max_request_tensor_bytes_;
   }

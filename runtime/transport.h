@@ -16,6 +16,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "google/protobuf/message.h"
 #include "rdmarpc/client_context.h"
@@ -225,6 +226,8 @@ class Dispatcher {
   virtual ~Dispatcher() = default;
   // nullptr for an unknown path.
   virtual const ServerMethod* Find(std::string_view path) const = 0;
+  // The path of every method it serves ("/package.Service/Method").
+  virtual std::vector<std::string> MethodPaths() const = 0;
   virtual uint64_t max_request_tensor_bytes() const = 0;
   // Runs the handler for `state` on a worker with `request` (parsed, its
   // tensors bound in state->tensors). `done` runs exactly once with the

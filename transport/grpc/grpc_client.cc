@@ -647,7 +647,6 @@ GrpcClientTransport::GrpcClientTransport(const std::string& target,
   channel_ = grpc::CreateChannelInternal(host, core, {});
   stub_ = std::make_unique<grpc::GenericStub>(channel_);
   target_ = std::make_unique<LeanTarget>(channel_.get(), core, host);
-  queue_ = std::make_unique<CallQueue>();
 }
 
 // The calls first (each uses the channel), then the channel, then gRPC.
@@ -683,6 +682,11 @@ void GrpcClientTransport::Start(internal::ClientCall call) {
     CallerDrivenCall::Run(std::move(call), chunk_bytes_, *target_);
     return;
   }
+  // Made with the first such call: an idle queue's thread would still poll
+  // gRPC's sockets (one epoll set serves every queue), and take reads that
+  // a caller-driven call's own thread then has to be woken for.
+  std::call_once(queue_made_,
+                 [this] { queue_ = std::make_unique<CallQueue>(); });
   QueuedCall::Start(std::move(call), chunk_bytes_, *target_, queue_.get());
 }
 

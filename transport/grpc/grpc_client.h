@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "rdmarpc/channel_options.h"
@@ -49,8 +50,10 @@ class GrpcClientTransport final : public internal::ClientTransport,
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<grpc::GenericStub> stub_;
   std::unique_ptr<LeanTarget> target_;
-  // Carries the calls that no caller waits on (CallAsync, CallFuture).
+  // Carries the calls that no caller waits on (CallAsync, CallFuture); made
+  // with the first of them.
   std::unique_ptr<CallQueue> queue_;
+  std::once_flag queue_made_;
 };
 
 }  // namespace rdmarpc::grpc_transport

@@ -44,14 +44,48 @@ using google::protobuf::Message;
 // more futex calls per call than stock's synchronous server.
 class GrpcServerTransport::Service {
  public:
+  // The dispatcher's methods, registered with gRPC so that a call arrives
+  // with its first message, as a registered unary method's does; a call of
+  // the generic service (any other path: the runtime's own methods, unknown
+  // ones) reads it in a batch of its own. gRPC itself answers a call to a
+  // registered method that brings no message at all: INTERNAL "Unable to
+  // parse request".
+  class Methods final : public grpc::Service {
+   public:
+    explicit Methods(std::vector<std::string> paths)
+        : paths_(std::move(paths)) {
+      // gRPC keeps the name's pointer: paths_ does not change after this.
+      for (const std::string& path : paths_) {
+        AddMethod(new grpc::internal::RpcServiceMethod(
+            path.c_str(), grpc::internal::RpcMethod::SERVER_STREAMING,
+            nullptr));
+      }
+    }
+    int size() const { return static_cast<int>(paths_.size()); }
+    const std::string& path(int index) const { return paths_[index]; }
+    // Arms a request for method `index`: `tag` comes back on `queue` with the
+    // call and its first message in `request`; `stream` is bound to it.
+    void Request(int index, grpc::ServerContext* ctx, grpc::ByteBuffer* request,
+                 grpc::GenericServerAsyncReaderWriter* stream,
+                 grpc::ServerCompletionQueue* queue, void* tag) {
+      RequestAsyncServerStreaming(index, ctx, request, stream, queue, queue,
+                                  tag);
+    }
+
+   private:
+    const std::vector<std::string> paths_;
+  };
+
   Service(internal::Dispatcher* dispatcher,
           std::map<std::string, InternalMethod> internal_methods)
       : dispatcher_(dispatcher),
-        internal_methods_(std::move(internal_methods)) {}
+        internal_methods_(std::move(internal_methods)),
+        methods_(dispatcher->MethodPaths()) {}
 
   ~Service() { Stop(); }
 
   grpc::AsyncGenericService* generic() { return &generic_; }
+  Methods* methods() { return &methods_; }
   // Before BuildAndStart.
   void AddQueue(grpc::ServerBuilder* builder) {
     queue_ = builder->AddCompletionQueue();
@@ -72,17 +106,22 @@ class GrpcServerTransport::Service {
   // calls while they hold it.
   std::shared_ptr<std::atomic<uint32_t>> ConnectionCalls(
       const std::string& peer);
-  // A new call object waits for the next call on `queue`.
-  void Arm(grpc::ServerCompletionQueue* queue);
+  // A new call object waits for the next call on `queue`: of registered
+  // method `method`, or of the generic service when it is kGeneric.
+  static constexpr int kGeneric = -1;
+  void Arm(grpc::ServerCompletionQueue* queue, int method);
   void Forget();  // a call object is gone
 
  private:
-  // Calls the server can match at once before a thread arms more.
+  // Calls the server can match at once before a thread arms more: of the
+  // generic service, and of each registered method.
   static constexpr int kArmed = 8;
+  static constexpr int kArmedPerMethod = 4;
 
   internal::Dispatcher* const dispatcher_;
   const std::map<std::string, InternalMethod> internal_methods_;
   grpc::AsyncGenericService generic_;
+  Methods methods_;
   std::unique_ptr<grpc::ServerCompletionQueue> queue_;
   std::vector<std::thread> threads_;
   bool stopped_ = false;
@@ -123,16 +162,23 @@ namespace {
 // finished the RPC and every operation it started has come back.
 class ServerCall {
  public:
+  // Waits for a call of registered method `method`, or of the generic
+  // service (Service::kGeneric).
   ServerCall(GrpcServerTransport::Service* service,
-             grpc::ServerCompletionQueue* queue)
-      : service_(service), queue_(queue) {}
+             grpc::ServerCompletionQueue* queue, int method)
+      : service_(service), queue_(queue), method_(method) {}
 
   void Request() {
     // The done tag comes back only for a call that started (gRPC issue
     // 10136), which is why a failed request is deleted at once.
     ctx_.AsyncNotifyWhenDone(Started(&done_tag_));
-    service_->generic()->RequestCall(&ctx_, &stream_, queue_, queue_,
-                                     Started(&request_tag_));
+    if (method_ == GrpcServerTransport::Service::kGeneric) {
+      service_->generic()->RequestCall(&ctx_, &stream_, queue_, queue_,
+                                       Started(&request_tag_));
+      return;
+    }
+    service_->methods()->Request(method_, &ctx_, &read_buf_, &stream_, queue_,
+                                 Started(&request_tag_));
   }
 
   enum class Op { kRequest, kRead, kWrite, kFinish, kDone };
@@ -156,7 +202,7 @@ class ServerCall {
           delete this;
           return;
         }
-        service_->Arm(queue_);
+        service_->Arm(queue_, method_);
         Begin();
         return;
       case Op::kRead:
@@ -186,15 +232,18 @@ class ServerCall {
 
  private:
   void Begin() {
-    if (const auto* internal = service_->FindInternal(ctx_.method())) {
+    const bool generic = method_ == GrpcServerTransport::Service::kGeneric;
+    const std::string& path =
+        generic ? ctx_.method() : service_->methods()->path(method_);
+    if (const auto* internal = service_->FindInternal(path)) {
       internal_ = internal;
       return Read();
     }
     internal::Dispatcher* dispatcher = service_->dispatcher();
-    const internal::ServerMethod* method = dispatcher->Find(ctx_.method());
+    const internal::ServerMethod* method = dispatcher->Find(path);
     if (method == nullptr) {
-      return FinishOnce(absl::UnimplementedError(absl::StrCat(
-          "method ", ctx_.method(), " is not served by this server")));
+      return FinishOnce(absl::UnimplementedError(
+          absl::StrCat("method ", path, " is not served by this server")));
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -231,6 +280,8 @@ class ServerCall {
     if (lean_) {
       receiver_.emplace([this](const LeanHead& head) { return OnHead(head); });
     }
+    // A registered method's call came with its first message.
+    if (!generic) return OnReadDone(true);
     Read();
   }
 
@@ -442,6 +493,7 @@ class ServerCall {
 
   GrpcServerTransport::Service* const service_;
   grpc::ServerCompletionQueue* const queue_;
+  const int method_;  // a registered method's index, or Service::kGeneric
   grpc::GenericServerContext ctx_;
   grpc::GenericServerAsyncReaderWriter stream_{&ctx_};
   Tag request_tag_{this, Op::kRequest};
@@ -470,7 +522,10 @@ class ServerCall {
 }  // namespace
 
 void GrpcServerTransport::Service::Run(int threads) {
-  for (int i = 0; i < kArmed; ++i) Arm(queue_.get());
+  for (int i = 0; i < kArmed; ++i) Arm(queue_.get(), kGeneric);
+  for (int m = 0; m < methods_.size(); ++m) {
+    for (int i = 0; i < kArmedPerMethod; ++i) Arm(queue_.get(), m);
+  }
   for (int i = 0; i < threads; ++i) {
     threads_.emplace_back([q = queue_.get()] {
       void* tag = nullptr;
@@ -484,13 +539,14 @@ void GrpcServerTransport::Service::Run(int threads) {
   }
 }
 
-void GrpcServerTransport::Service::Arm(grpc::ServerCompletionQueue* queue) {
+void GrpcServerTransport::Service::Arm(grpc::ServerCompletionQueue* queue,
+                                       int method) {
   if (stopping_.load()) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++live_;
   }
-  (new ServerCall(this, queue))->Request();
+  (new ServerCall(this, queue, method))->Request();
 }
 
 void GrpcServerTransport::Service::Forget() {
@@ -587,6 +643,9 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::Start(
     builder.AddListeningPort(ports[i].first, credentials, &bound[i]);
   }
   builder.RegisterAsyncGenericService(t->service_->generic());
+  if (t->service_->methods()->size() > 0) {
+    builder.RegisterService(t->service_->methods());
+  }
   t->service_->AddQueue(&builder);
   if (listen.reflection) {
     std::vector<std::string> listed = listen.services;
