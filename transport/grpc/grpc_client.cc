@@ -140,8 +140,9 @@ namespace {
 //
 // The call is a core gRPC call driven with grpcpp's operation sets, so that
 // a request of one message goes out in the same batch that reads the
-// response, as a unary call's does: two batches per small call (that one
-// and the status) where a stream's API takes three.
+// response: two batches per small call (that one and the status) where a
+// stream's API takes three. (A blocking unary call takes one, but its
+// status would wait for a response of several messages to be read.)
 class LeanCall {
  public:
   // An operation's tag is the call's address with the operation in its
@@ -356,6 +357,8 @@ class LeanCall {
       options.set_buffer_hint();
       ops->ClientSendClose();
     }
+    // Cannot fail for a ByteBuffer (it is only referenced), but gRPC asks
+    // for the status to be read.
     if (grpc::Status added = ops->SendMessage(write_buf_, options);
         !added.ok()) {
       FailLocally(FromGrpc(added));
@@ -593,7 +596,11 @@ void QueuedCall::End() {
 
 }  // namespace
 
-GrpcClientTransport::GrpcRuntime::GrpcRuntime() { grpc_init(); }
+// The detector goes off before gRPC's threads take their first mutex.
+GrpcClientTransport::GrpcRuntime::GrpcRuntime() {
+  UseReleaseModeMutexes();
+  grpc_init();
+}
 GrpcClientTransport::GrpcRuntime::~GrpcRuntime() { grpc_shutdown(); }
 
 // The channel is made with gRPC's core API, which the lean calls use, and
@@ -601,7 +608,6 @@ GrpcClientTransport::GrpcRuntime::~GrpcRuntime() { grpc_shutdown(); }
 GrpcClientTransport::GrpcClientTransport(const std::string& target,
                                          const ChannelOptions& options)
     : chunk_bytes_(options.grpc_chunk_bytes) {
-  UseReleaseModeMutexes();
   grpc::ChannelArguments args;
   // Tensors travel in chunks, but a plain message may still be large.
   args.SetMaxReceiveMessageSize(-1);

@@ -49,16 +49,18 @@ class GrpcServerTransport::Service {
   // the generic service (any other path: the runtime's own methods, unknown
   // ones) reads it in a batch of its own. gRPC itself answers a call to a
   // registered method that brings no message at all: INTERNAL "Unable to
-  // parse request".
+  // parse request". Paths under /grpc. stay generic: gRPC's health service
+  // and our reflection register theirs, and a second registration of a path
+  // fails the server's start.
   class Methods final : public grpc::Service {
    public:
-    explicit Methods(std::vector<std::string> paths)
-        : paths_(std::move(paths)) {
+    explicit Methods(std::vector<std::string> paths) : paths_(Own(paths)) {
       // gRPC keeps the name's pointer: paths_ does not change after this.
       for (const std::string& path : paths_) {
         AddMethod(new grpc::internal::RpcServiceMethod(
             path.c_str(), grpc::internal::RpcMethod::SERVER_STREAMING,
             nullptr));
+        MarkMethodAsync(static_cast<int>(&path - paths_.data()));
       }
     }
     int size() const { return static_cast<int>(paths_.size()); }
@@ -73,6 +75,13 @@ class GrpcServerTransport::Service {
     }
 
    private:
+    static std::vector<std::string> Own(std::vector<std::string>& paths) {
+      std::erase_if(paths, [](const std::string& path) {
+        return path.starts_with("/grpc.");
+      });
+      return std::move(paths);
+    }
+
     const std::vector<std::string> paths_;
   };
 
@@ -235,7 +244,9 @@ class ServerCall {
     const bool generic = method_ == GrpcServerTransport::Service::kGeneric;
     const std::string& path =
         generic ? ctx_.method() : service_->methods()->path(method_);
-    if (const auto* internal = service_->FindInternal(path)) {
+    // The runtime's own methods are never registered.
+    if (const auto* internal =
+            generic ? service_->FindInternal(path) : nullptr) {
       internal_ = internal;
       return Read();
     }
