@@ -54,13 +54,14 @@ class GrpcServerTransport::Service {
   // fails the server's start.
   class Methods final : public grpc::Service {
    public:
-    explicit Methods(std::vector<std::string> paths) : paths_(Own(paths)) {
+    explicit Methods(std::vector<std::string> paths)
+        : paths_(WithoutGrpcOwn(std::move(paths))) {
       // gRPC keeps the name's pointer: paths_ does not change after this.
-      for (const std::string& path : paths_) {
+      for (int i = 0; i < size(); ++i) {
         AddMethod(new grpc::internal::RpcServiceMethod(
-            path.c_str(), grpc::internal::RpcMethod::SERVER_STREAMING,
+            paths_[i].c_str(), grpc::internal::RpcMethod::SERVER_STREAMING,
             nullptr));
-        MarkMethodAsync(static_cast<int>(&path - paths_.data()));
+        MarkMethodAsync(i);
       }
     }
     int size() const { return static_cast<int>(paths_.size()); }
@@ -75,11 +76,12 @@ class GrpcServerTransport::Service {
     }
 
    private:
-    static std::vector<std::string> Own(std::vector<std::string>& paths) {
+    static std::vector<std::string> WithoutGrpcOwn(
+        std::vector<std::string> paths) {
       std::erase_if(paths, [](const std::string& path) {
         return path.starts_with("/grpc.");
       });
-      return std::move(paths);
+      return paths;
     }
 
     const std::vector<std::string> paths_;
