@@ -171,12 +171,6 @@ class LeanCall {
     // The request's device tensors are copied out on this thread, below.
     RDMARPC_RETURN_IF_ERROR(
         internal::WaitForGpuProducer(plan, ctx->cuda_stream()));
-    std::string message;
-    if (!call_.request->SerializeToString(&message)) {
-      return absl::InvalidArgumentError(
-          "request message cannot be serialized (over protobuf's 2 GiB "
-          "limit without its tensors?)");
-    }
     CallStats* stats = internal::ClientContextAccess::mutable_stats(ctx);
     stats->tensor_bytes_sent = plan.total_bytes;
     for (const auto& t : plan.tensors) {
@@ -184,7 +178,7 @@ class LeanCall {
     }
     completion_ = std::make_shared<internal::DeferredCompletion>();
     RDMARPC_ASSIGN_OR_RETURN(
-        sender_, LeanSender::Create(std::move(message), plan, call_.call_id,
+        sender_, LeanSender::Create(*call_.request, plan, call_.call_id,
                                     chunk_bytes_, completion_));
 
     send_metadata_.emplace(kFramingKey, kFramingLean);

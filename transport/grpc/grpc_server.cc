@@ -409,14 +409,8 @@ class ServerCall {
     if (!plan.ok()) return FinishOnce(HandlerError(plan.status()));
     Status produced = internal::WaitForGpuProducer(*plan, state_->cuda_stream);
     if (!produced.ok()) return FinishOnce(HandlerError(produced));
-    std::string message;
-    if (!response_->SerializeToString(&message)) {
-      return FinishOnce(absl::InternalError(
-          "response message cannot be serialized (over protobuf's 2 GiB "
-          "limit without its tensors?)"));
-    }
-    auto sender = LeanSender::Create(std::move(message), *plan, 0,
-                                     size_t{1} << 20, nullptr);
+    auto sender =
+        LeanSender::Create(*response_, *plan, 0, size_t{1} << 20, nullptr);
     if (!sender.ok()) return FinishOnce(HandlerError(sender.status()));
     sender_ = std::move(*sender);
     WriteNext();

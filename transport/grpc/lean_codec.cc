@@ -10,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "runtime/scratch_message.h"
 #include "runtime/tensor_walk.h"
 
 namespace rdmarpc::grpc_transport {
@@ -67,19 +68,32 @@ grpc::Slice ReferenceSlice(TensorBuffer bytes,
   return grpc::Slice(data, size, &ReleaseSlice, ref);
 }
 
-LeanHead MakeHead(std::string serialized_message,
-                  const internal::OutgoingPlan& plan, uint64_t call_id) {
-  LeanHead head;
-  head.set_version(kLeanVersion);
-  head.set_message(std::move(serialized_message));
-  head.set_call_id(call_id);
-  for (const internal::OutgoingTensor& t : plan.tensors) {
-    TensorPart* part = head.add_tensors();
-    part->set_out_of_band(t.out_of_band);
-    part->set_size(t.size);
+// The thread's reusable LeanHead (runtime/scratch_message.h). A head may be
+// large (its message is bounded by gRPC's limit only, a peer's first chunk
+// too): the thread keeps at most kKeptBytes of strings and kKeptParts
+// parts once it is done with one.
+class ScratchLeanHead {
+ public:
+  ScratchLeanHead() = default;
+  ScratchLeanHead(const ScratchLeanHead&) = delete;
+  ScratchLeanHead& operator=(const ScratchLeanHead&) = delete;
+  ~ScratchLeanHead() {
+    if (head_->message().capacity() > kKeptBytes ||
+        head_->first_chunk().capacity() > kKeptBytes ||
+        head_->tensors_size() > kKeptParts) {
+      LeanHead released;
+      head_->Swap(&released);
+    }
   }
-  return head;
-}
+
+  LeanHead& operator*() const { return *head_; }
+  LeanHead* operator->() const { return &*head_; }
+
+ private:
+  static constexpr size_t kKeptBytes = 64 << 10;
+  static constexpr int kKeptParts = 256;
+  internal::ScratchMessage<LeanHead> head_;
+};
 
 }  // namespace
 
@@ -103,33 +117,53 @@ StatusOr<internal::IncomingResult> AcceptHead(
                                   std::move(owner), tensors);
 }
 
-StatusOr<LeanSender> LeanSender::Create(std::string serialized_message,
-                                        const internal::OutgoingPlan& plan,
-                                        uint64_t call_id, size_t chunk_bytes,
-                                        std::shared_ptr<const void> keep) {
-  LeanSender sender(MakeHead(std::move(serialized_message), plan, call_id),
-                    std::max<size_t>(chunk_bytes, 4096), std::move(keep));
+StatusOr<LeanSender> LeanSender::Create(
+    const google::protobuf::MessageLite& message,
+    const internal::OutgoingPlan& plan, uint64_t call_id, size_t chunk_bytes,
+    std::shared_ptr<const void> keep) {
+  ScratchLeanHead head;
+  head->set_version(kLeanVersion);
+  if (!message.SerializeToString(head->mutable_message())) {
+    return absl::InvalidArgumentError(
+        "the message cannot be serialized (over protobuf's 2 GiB limit "
+        "without its tensors?)");
+  }
+  head->set_call_id(call_id);
   uint64_t out_of_band_bytes = 0;
   for (const internal::OutgoingTensor& t : plan.tensors) {
+    TensorPart* part = head->add_tensors();
+    part->set_out_of_band(t.out_of_band);
+    part->set_size(t.size);
     if (t.out_of_band) out_of_band_bytes += t.size;
   }
+  LeanSender sender(std::max<size_t>(chunk_bytes, 4096), std::move(keep));
   if (out_of_band_bytes > kLeanHeadChunkBytes) {
     for (const internal::OutgoingTensor& t : plan.tensors) {
       if (t.out_of_band) sender.out_of_band_.push_back(t.buffer);
     }
     sender.SkipEmpty();
-    return sender;
+  } else if (out_of_band_bytes > 0) {
+    std::string* chunk = head->mutable_first_chunk();
+    chunk->resize(out_of_band_bytes);
+    char* dst = chunk->data();
+    for (const internal::OutgoingTensor& t : plan.tensors) {
+      if (!t.out_of_band) continue;
+      RDMARPC_RETURN_IF_ERROR(CopyBytes(dst, Device::Host(), t.buffer.data(),
+                                        t.buffer.device(), t.size));
+      dst += t.size;
+    }
+    sender.copied_ = out_of_band_bytes;
   }
-  std::string* chunk = sender.head_.mutable_first_chunk();
-  chunk->resize(out_of_band_bytes);
-  char* dst = chunk->data();
-  for (const internal::OutgoingTensor& t : plan.tensors) {
-    if (!t.out_of_band) continue;
-    RDMARPC_RETURN_IF_ERROR(CopyBytes(dst, Device::Host(), t.buffer.data(),
-                                      t.buffer.device(), t.size));
-    dst += t.size;
+  size_t bytes = head->ByteSizeLong();
+  if (bytes > static_cast<size_t>(std::numeric_limits<int>::max())) {
+    return absl::InvalidArgumentError(
+        "message is too large to serialize (protobuf's 2 GiB limit applies "
+        "to the non-tensor fields)");
   }
-  sender.copied_ = out_of_band_bytes;
+  // Serialized straight into the slice gRPC sends (a small one is inline).
+  sender.head_ = grpc::Slice(bytes);
+  head->SerializeWithCachedSizesToArray(
+      const_cast<uint8_t*>(sender.head_.begin()));
   return sender;
 }
 
@@ -148,16 +182,8 @@ bool LeanSender::Done() const {
 StatusOr<bool> LeanSender::Next(grpc::ByteBuffer* out, bool* last) {
   if (Done()) return false;
   if (!head_sent_) {
-    size_t bytes = head_.ByteSizeLong();
-    if (bytes > static_cast<size_t>(std::numeric_limits<int>::max())) {
-      return absl::InvalidArgumentError(
-          "message is too large to serialize (protobuf's 2 GiB limit applies "
-          "to the non-tensor fields)");
-    }
-    // Serialized straight into the slice gRPC sends (a small one is inline).
-    grpc::Slice slice(bytes);
-    head_.SerializeWithCachedSizesToArray(const_cast<uint8_t*>(slice.begin()));
-    grpc::ByteBuffer(&slice, 1).Swap(out);
+    grpc::ByteBuffer(&head_, 1).Swap(out);
+    head_ = grpc::Slice();
     head_sent_ = true;
     *last = Done();
     return true;
@@ -188,22 +214,22 @@ Status LeanReceiver::OnMessage(grpc::ByteBuffer* message) {
 
 Status LeanReceiver::OnHead(grpc::ByteBuffer* message) {
   head_seen_ = true;
-  LeanHead head;
+  ScratchLeanHead head;
   size_t length = message->Length();
   grpc::ProtoBufferReader reader(message);
-  if (!head.ParseFromZeroCopyStream(&reader)) {
+  if (!head->ParseFromZeroCopyStream(&reader)) {
     return absl::InvalidArgumentError(
         absl::StrCat("lean framing: the first message (", length,
                      " bytes) is not a valid LeanHead"));
   }
-  if (head.version() != kLeanVersion) {
+  if (head->version() != kLeanVersion) {
     return absl::InvalidArgumentError(
-        absl::StrCat("lean framing: unsupported version ", head.version(),
+        absl::StrCat("lean framing: unsupported version ", head->version(),
                      " (this side speaks ", kLeanVersion, ")"));
   }
-  RDMARPC_ASSIGN_OR_RETURN(landing_, on_head_(head));
+  RDMARPC_ASSIGN_OR_RETURN(landing_, on_head_(*head));
   while (tensor_ < landing_.size() && landing_[tensor_].empty()) ++tensor_;
-  return Land(head.first_chunk().data(), head.first_chunk().size());
+  return Land(head->first_chunk().data(), head->first_chunk().size());
 }
 
 Status LeanReceiver::OnChunk(const grpc::ByteBuffer& message) {

@@ -9,6 +9,7 @@
 #define RDMARPC_TRANSPORT_GRPC_LEAN_CODEC_H_
 
 #include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/slice.h>
 
 #include <cstdint>
 #include <functional>
@@ -18,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "google/protobuf/message_lite.h"
 #include "rdmarpc/memory.h"
 #include "rdmarpc/status.h"
 #include "runtime/codec.h"
@@ -65,14 +67,17 @@ Status AcceptPlainRequest(grpc::ByteBuffer* bytes,
 
 class LeanSender {
  public:
-  // The messages for `serialized_message` and the tensors of `plan`: the
-  // head, then chunks of at most `chunk_bytes`, or the head alone when the
-  // out-of-band bytes fit kLeanHeadChunkBytes. `keep` is held by every slice
-  // that references tensor memory. Fails if device memory cannot be copied.
-  static StatusOr<LeanSender> Create(std::string serialized_message,
-                                     const internal::OutgoingPlan& plan,
-                                     uint64_t call_id, size_t chunk_bytes,
-                                     std::shared_ptr<const void> keep);
+  // The messages for `message` (without the tensor bytes of `plan`) and
+  // the tensors of `plan`: the head, then chunks of at most `chunk_bytes`,
+  // or the head alone when the out-of-band bytes fit kLeanHeadChunkBytes.
+  // The head is serialized now, in the thread's reusable LeanHead, so
+  // `message` is not used after. `keep` is held by every slice that
+  // references tensor memory. INVALID_ARGUMENT if the message or the head
+  // cannot be serialized; fails if device memory cannot be copied.
+  static StatusOr<LeanSender> Create(
+      const google::protobuf::MessageLite& message,
+      const internal::OutgoingPlan& plan, uint64_t call_id,
+      size_t chunk_bytes, std::shared_ptr<const void> keep);
 
   // Fills `out` with the next message; false when nothing is left. `*last`
   // tells whether `out` is the final message.
@@ -81,15 +86,12 @@ class LeanSender {
   uint64_t cpu_copied_bytes() const { return copied_; }
 
  private:
-  LeanSender(LeanHead head, size_t chunk_bytes,
-             std::shared_ptr<const void> keep)
-      : head_(std::move(head)),
-        chunk_bytes_(chunk_bytes),
-        keep_(std::move(keep)) {}
+  LeanSender(size_t chunk_bytes, std::shared_ptr<const void> keep)
+      : chunk_bytes_(chunk_bytes), keep_(std::move(keep)) {}
   bool Done() const;
   void SkipEmpty();
 
-  LeanHead head_;
+  grpc::Slice head_;  // the serialized head, until it is sent
   bool head_sent_ = false;
   std::vector<TensorBuffer> out_of_band_;
   size_t chunk_bytes_;

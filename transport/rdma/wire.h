@@ -27,13 +27,13 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <span>
 #include <string_view>
 
 #include "google/protobuf/message_lite.h"
 #include "rdmarpc/status.h"
 #include "runtime/metadata.h"
+#include "runtime/scratch_message.h"
 #include "transport/rdma/rdma_frame.pb.h"
 
 namespace rdmarpc::rdma {
@@ -42,53 +42,11 @@ inline constexpr uint16_t kWireMagic = 0x5252;
 inline constexpr uint8_t kWireVersion = 1;
 inline constexpr size_t kPreambleBytes = 16;
 
-// A head message that one thread reuses call after call: a cleared
-// protobuf message keeps its strings and repeated elements, so building or
-// parsing the next head allocates nothing. A nested use on the same thread
-// (an inline callback that starts a call) gets a message of its own. What
-// the thread's message holds stays bounded by the wire limits.
-//
-//   ScratchHead<RequestHead> head;  // cleared
-//   head->set_call_id(id);
-//   conn->SendFrame(FrameType::kRequest, &*head, parts);
+// The heads of frames are built and parsed in the thread's reusable message
+// (runtime/scratch_message.h); what it holds stays bounded by the wire
+// limits.
 template <typename Head>
-class ScratchHead {
- public:
-  ScratchHead() {
-    Slot& slot = ThreadSlot();
-    if (slot.in_use) {
-      fallback_ = std::make_unique<Head>();
-      head_ = fallback_.get();
-      return;
-    }
-    slot.in_use = true;
-    slot.head.Clear();
-    head_ = &slot.head;
-    slot_ = &slot;
-  }
-  ~ScratchHead() {
-    if (slot_ != nullptr) slot_->in_use = false;
-  }
-  ScratchHead(const ScratchHead&) = delete;
-  ScratchHead& operator=(const ScratchHead&) = delete;
-
-  Head& operator*() const { return *head_; }
-  Head* operator->() const { return head_; }
-
- private:
-  struct Slot {
-    Head head;
-    bool in_use = false;
-  };
-  static Slot& ThreadSlot() {
-    thread_local Slot slot;
-    return slot;
-  }
-
-  Head* head_;
-  Slot* slot_ = nullptr;  // the thread's, when taken (a TLS look-up saved)
-  std::unique_ptr<Head> fallback_;
-};
+using ScratchHead = internal::ScratchMessage<Head>;
 
 enum class FrameType : uint8_t {
   kRequest = 1,   // RequestHead
