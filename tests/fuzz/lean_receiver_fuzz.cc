@@ -72,9 +72,10 @@ std::vector<std::string> FuzzSeeds() {
   head.add_tensors()->set_out_of_band(true);
   head.mutable_tensors(0)->set_size(16);
   head.add_tensors()->set_size(8);
-  std::string h = head.SerializeAsString();
+  const std::string marker(1, rdmarpc::grpc_transport::kLeanMarker);
+  std::string h = marker + head.SerializeAsString();
   head.set_first_chunk(std::string(5, 'c'));
-  std::string with_chunk = head.SerializeAsString();
+  std::string with_chunk = marker + head.SerializeAsString();
   return {frame({h, std::string(16, 'x')}),
           frame({h, std::string(7, 'a'), std::string(9, 'b')}),
           frame({with_chunk, std::string(11, 'd')}), frame({h}), frame({})};

@@ -181,7 +181,6 @@ class LeanCall {
         sender_, LeanSender::Create(*call_.request, plan, call_.call_id,
                                     chunk_bytes_, completion_));
 
-    send_metadata_.emplace(kFramingKey, kFramingLean);
     if (call_.resend) {
       auto age = std::chrono::duration_cast<std::chrono::milliseconds>(
           std::chrono::steady_clock::now() - call_.resend->first_sent);

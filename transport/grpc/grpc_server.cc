@@ -273,12 +273,10 @@ class ServerCall {
       std::string key(k.data(), k.size());
       std::string value(v.data(), v.size());
       if (key == kFramingKey) {
-        if (value != kFramingLean) {
-          return FinishOnce(absl::InvalidArgumentError(
-              absl::StrCat("unsupported rdmarpc framing '", value,
-                           "' (this server speaks ", kFramingLean, ")")));
-        }
-        lean_ = true;
+        return FinishOnce(absl::InvalidArgumentError(absl::StrCat(
+            "unsupported rdmarpc framing '", value,
+            "' (this server speaks lean-", kLeanVersion,
+            ", told by the first message's first byte, without metadata)")));
       } else if (key == kResendKey) {
         if (!ParseResend(value)) {
           return FinishOnce(absl::InvalidArgumentError(
@@ -290,9 +288,6 @@ class ServerCall {
       }
     }
     request_.reset(method->descriptor.request_prototype->New());
-    if (lean_) {
-      receiver_.emplace([this](const LeanHead& head) { return OnHead(head); });
-    }
     // A registered method's call came with its first message.
     if (!generic) return OnReadDone(true);
     Read();
@@ -308,6 +303,11 @@ class ServerCall {
 
   void OnReadDone(bool ok) {
     if (internal_ != nullptr) return RunInternal(ok);
+    // The first message tells the framing.
+    if (ok && !lean_ && !receiver_ && StartsLeanStream(&read_buf_)) {
+      lean_ = true;
+      receiver_.emplace([this](const LeanHead& head) { return OnHead(head); });
+    }
     if (lean_) {
       if (ok) {
         Status s = receiver_->OnMessage(&read_buf_);

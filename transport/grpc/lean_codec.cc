@@ -161,9 +161,10 @@ StatusOr<LeanSender> LeanSender::Create(
         "to the non-tensor fields)");
   }
   // Serialized straight into the slice gRPC sends (a small one is inline).
-  sender.head_ = grpc::Slice(bytes);
-  head->SerializeWithCachedSizesToArray(
-      const_cast<uint8_t*>(sender.head_.begin()));
+  sender.head_ = grpc::Slice(bytes + 1);
+  auto* out = const_cast<uint8_t*>(sender.head_.begin());
+  out[0] = kLeanMarker;
+  head->SerializeWithCachedSizesToArray(out + 1);
   return sender;
 }
 
@@ -208,6 +209,16 @@ StatusOr<bool> LeanSender::Next(grpc::ByteBuffer* out, bool* last) {
   return true;
 }
 
+bool StartsLeanStream(grpc::ByteBuffer* message) {
+  grpc::ProtoBufferReader reader(message);
+  const void* data = nullptr;
+  int size = 0;
+  while (reader.Next(&data, &size)) {
+    if (size > 0) return *static_cast<const char*>(data) == kLeanMarker;
+  }
+  return false;
+}
+
 Status LeanReceiver::OnMessage(grpc::ByteBuffer* message) {
   return head_seen_ ? OnChunk(*message) : OnHead(message);
 }
@@ -216,8 +227,13 @@ Status LeanReceiver::OnHead(grpc::ByteBuffer* message) {
   head_seen_ = true;
   ScratchLeanHead head;
   size_t length = message->Length();
+  if (!StartsLeanStream(message)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lean framing: the first message (", length,
+                     " bytes) does not start with the lean marker byte 0"));
+  }
   grpc::ProtoBufferReader reader(message);
-  if (!head->ParseFromZeroCopyStream(&reader)) {
+  if (!reader.Skip(1) || !head->ParseFromZeroCopyStream(&reader)) {
     return absl::InvalidArgumentError(
         absl::StrCat("lean framing: the first message (", length,
                      " bytes) is not a valid LeanHead"));

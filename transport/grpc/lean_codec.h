@@ -27,9 +27,15 @@
 
 namespace rdmarpc::grpc_transport {
 
-inline constexpr uint32_t kLeanVersion = 2;
+inline constexpr uint32_t kLeanVersion = 3;
+// A lean stream's head is this byte, then the serialized LeanHead. No
+// protobuf message starts with it (it would be a tag of field number 0), so
+// the server tells the framings apart by a call's first message, with no
+// metadata to send and parse on every call.
+inline constexpr char kLeanMarker = '\0';
+// The metadata that named the framing up to lean-2; a server refuses a
+// client that still sends it.
 inline constexpr char kFramingKey[] = "rdmarpc-framing";
-inline constexpr char kFramingLean[] = "lean-2";
 // Out-of-band bytes up to this total travel inside the head (copied), not as
 // chunk messages: below it a gRPC message costs more than the copy (see
 // docs/design.md, "gRPC transport").
@@ -65,6 +71,10 @@ Status AcceptPlainRequest(grpc::ByteBuffer* bytes,
                           uint64_t max_bytes, std::shared_ptr<const void> owner,
                           CallTensors* tensors);
 
+// Whether `message`, a stream's first message, starts a lean stream (its
+// first byte is kLeanMarker); else it is a plain request.
+bool StartsLeanStream(grpc::ByteBuffer* message);
+
 class LeanSender {
  public:
   // The messages for `message` (without the tensor bytes of `plan`) and
@@ -76,8 +86,8 @@ class LeanSender {
   // cannot be serialized; fails if device memory cannot be copied.
   static StatusOr<LeanSender> Create(
       const google::protobuf::MessageLite& message,
-      const internal::OutgoingPlan& plan, uint64_t call_id,
-      size_t chunk_bytes, std::shared_ptr<const void> keep);
+      const internal::OutgoingPlan& plan, uint64_t call_id, size_t chunk_bytes,
+      std::shared_ptr<const void> keep);
 
   // Fills `out` with the next message; false when nothing is left. `*last`
   // tells whether `out` is the final message.

@@ -106,5 +106,54 @@ TEST(LeanCodecTest, NoTensorsIsTheHeadAlone) {
   EXPECT_EQ(trip.messages, 1);
 }
 
+grpc::ByteBuffer Buffer(const std::string& bytes) {
+  grpc::Slice slice(bytes);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+// The server tells the framings apart by the first byte: a plain request
+// never starts with the marker, since protobuf refuses a message that does
+// (a tag of field number 0), whatever its type and whatever follows.
+TEST(LeanCodecTest, NoProtobufMessageStartsWithTheLeanMarker) {
+  TensorPart part;
+  part.set_size(5);
+  LeanHead head;
+  head.set_message("bytes");
+  for (const std::string& rest :
+       {std::string(), part.SerializeAsString(), head.SerializeAsString()}) {
+    const std::string marked = kLeanMarker + rest;
+    EXPECT_FALSE(TensorPart().ParseFromString(marked));
+    EXPECT_FALSE(LeanHead().ParseFromString(marked));
+    grpc::ByteBuffer buffer = Buffer(marked);
+    EXPECT_TRUE(StartsLeanStream(&buffer));
+    grpc::ByteBuffer plain = Buffer(rest);
+    EXPECT_FALSE(StartsLeanStream(&plain));
+  }
+}
+
+TEST(LeanCodecTest, AHeadWithoutTheMarkerIsRefused) {
+  TensorPart call_message;
+  auto sender = LeanSender::Create(call_message, {}, 1, 4096, nullptr);
+  ASSERT_TRUE(sender.ok()) << sender.status();
+  grpc::ByteBuffer message;
+  bool last = false;
+  ASSERT_TRUE(*sender->Next(&message, &last));
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(message.Dump(&slices).ok());
+  std::string bytes;
+  for (const grpc::Slice& s : slices) {
+    bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  ASSERT_EQ(bytes[0], kLeanMarker);
+  grpc::ByteBuffer unmarked = Buffer(bytes.substr(1));
+  LeanReceiver receiver(
+      [](const LeanHead&) -> StatusOr<std::vector<TensorBuffer>> {
+        return std::vector<TensorBuffer>{};
+      });
+  Status s = receiver.OnMessage(&unmarked);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("lean marker"), std::string::npos) << s;
+}
+
 }  // namespace
 }  // namespace rdmarpc::grpc_transport

@@ -20,14 +20,18 @@ namespace {
 using rdmarpc::grpc_transport::LeanHead;
 
 constexpr char kEcho[] = "/rdmarpc_test.E2E/Echo";
+// Spelled out as a peer would: a lean stream's head starts with byte 0.
+constexpr char kLeanMarker = '\0';
 
 class RawCall final
     : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
+  // `framing`, if not empty, goes as the metadata that named the framing up
+  // to lean-2.
   RawCall(grpc::GenericStub* stub, std::vector<std::string> messages,
           std::string framing)
       : messages_(std::move(messages)) {
-    ctx_.AddMetadata("rdmarpc-framing", framing);
+    if (!framing.empty()) ctx_.AddMetadata("rdmarpc-framing", framing);
     ctx_.set_deadline(std::chrono::system_clock::now() +
                       std::chrono::seconds(10));
     stub->PrepareBidiStreamingCall(&ctx_, kEcho, grpc::StubOptions(), this);
@@ -105,8 +109,7 @@ class LeanFramingTest : public ::testing::Test {
     raw_stub_ = std::make_unique<grpc::GenericStub>(raw_channel_);
   }
 
-  grpc::Status Send(std::vector<std::string> messages,
-                    std::string framing = "lean-2",
+  grpc::Status Send(std::vector<std::string> messages, std::string framing = "",
                     std::vector<std::string>* received = nullptr) {
     RawCall call(raw_stub_.get(), std::move(messages), std::move(framing));
     grpc::Status s = call.Wait();
@@ -114,10 +117,10 @@ class LeanFramingTest : public ::testing::Test {
     return s;
   }
 
-  // A head for an EchoRequest with one u8 tensor of `dim` elements whose
-  // announced out-of-band size is `announced`.
+  // A head (with the lean marker) for an EchoRequest with one u8 tensor of
+  // `dim` elements whose announced out-of-band size is `announced`.
   static std::string Head(int64_t dim, uint64_t announced, int parts = 1,
-                          uint32_t version = 2, std::string first_chunk = "") {
+                          uint32_t version = 3, std::string first_chunk = "") {
     rdmarpc_test::EchoRequest req;
     req.mutable_tensor()->set_dtype(rdmarpc::DTYPE_U8);
     req.mutable_tensor()->add_shape(dim);
@@ -130,7 +133,10 @@ class LeanFramingTest : public ::testing::Test {
       p->set_size(announced);
     }
     head.set_first_chunk(std::move(first_chunk));
-    return head.SerializeAsString();
+    return Marked(head);
+  }
+  static std::string Marked(const LeanHead& head) {
+    return kLeanMarker + head.SerializeAsString();
   }
 
   void ExpectServerStillServes() {
@@ -170,26 +176,28 @@ TEST_F(LeanFramingTest, BytesInTheHeadAreTheTensorsFirstBytes) {
   const std::string bytes = "0123456789";
   for (size_t in_head : {size_t{10}, size_t{4}}) {
     std::vector<std::string> messages = {
-        Head(10, 10, 1, 2, bytes.substr(0, in_head))};
+        Head(10, 10, 1, 3, bytes.substr(0, in_head))};
     if (in_head < bytes.size()) messages.push_back(bytes.substr(in_head));
     std::vector<std::string> received;
-    grpc::Status s = Send(messages, "lean-2", &received);
+    grpc::Status s = Send(messages, "", &received);
     ASSERT_TRUE(s.ok()) << s.error_message();
     ASSERT_EQ(received.size(), 1u) << "a 10-byte echo takes one message";
+    ASSERT_FALSE(received[0].empty());
+    EXPECT_EQ(received[0][0], kLeanMarker);
     LeanHead head;
-    ASSERT_TRUE(head.ParseFromString(received[0]));
+    ASSERT_TRUE(head.ParseFromString(received[0].substr(1)));
     EXPECT_EQ(head.first_chunk(), bytes);
   }
   EXPECT_EQ(impl_.calls.load(), 2);
 }
 
 TEST_F(LeanFramingTest, MoreBytesInTheHeadThanAnnounced) {
-  ExpectRejected(Send({Head(10, 10, 1, 2, std::string(11, 'x'))}),
+  ExpectRejected(Send({Head(10, 10, 1, 3, std::string(11, 'x'))}),
                  grpc::StatusCode::INVALID_ARGUMENT, "more tensor bytes");
 }
 
 TEST_F(LeanFramingTest, GarbageHead) {
-  ExpectRejected(Send({std::string("\xff\xff\xff\xff\x0f", 5)}),
+  ExpectRejected(Send({std::string("\0\xff\xff\xff\xff\x0f", 6)}),
                  grpc::StatusCode::INVALID_ARGUMENT, "not a valid LeanHead");
 }
 
@@ -198,20 +206,26 @@ TEST_F(LeanFramingTest, UnknownVersion) {
                  "unsupported version 99");
 }
 
-TEST_F(LeanFramingTest, UnknownFraming) {
-  // lean-1 (before tensor bytes could travel in the head) included.
-  ExpectRejected(Send({Head(4, 4, 1, 1)}, "lean-1"),
-                 grpc::StatusCode::INVALID_ARGUMENT,
-                 "unsupported rdmarpc framing 'lean-1' (this server speaks "
-                 "lean-2)");
+// A client of lean-1 or lean-2 named the framing in metadata: refused with
+// the versions named, not taken for a plain client.
+TEST_F(LeanFramingTest, FramingNamedInMetadata) {
+  for (const char* framing : {"lean-1", "lean-2"}) {
+    impl_.calls = 0;  // the last round's check made one
+    LeanHead head;
+    head.set_version(2);
+    ExpectRejected(Send({head.SerializeAsString()}, framing),
+                   grpc::StatusCode::INVALID_ARGUMENT,
+                   std::string("unsupported rdmarpc framing '") + framing +
+                       "' (this server speaks lean-3");
+  }
 }
 
 TEST_F(LeanFramingTest, MessageThatDoesNotParse) {
   LeanHead head;
-  head.set_version(2);
+  head.set_version(3);
   head.set_message(std::string("\xff\xff\xff", 3));
-  ExpectRejected(Send({head.SerializeAsString()}),
-                 grpc::StatusCode::INVALID_ARGUMENT, "does not parse");
+  ExpectRejected(Send({Marked(head)}), grpc::StatusCode::INVALID_ARGUMENT,
+                 "does not parse");
 }
 
 TEST_F(LeanFramingTest, FewerBytesThanAnnounced) {
