@@ -209,14 +209,25 @@ StatusOr<bool> LeanSender::Next(grpc::ByteBuffer* out, bool* last) {
   return true;
 }
 
-bool StartsLeanStream(grpc::ByteBuffer* message) {
-  grpc::ProtoBufferReader reader(message);
+namespace {
+
+// Reads the first byte: true, past it, when it is kLeanMarker.
+bool SkipLeanMarker(grpc::ProtoBufferReader* reader) {
   const void* data = nullptr;
   int size = 0;
-  while (reader.Next(&data, &size)) {
-    if (size > 0) return *static_cast<const char*>(data) == kLeanMarker;
+  while (reader->Next(&data, &size)) {
+    if (size == 0) continue;
+    reader->BackUp(size - 1);
+    return *static_cast<const char*>(data) == kLeanMarker;
   }
   return false;
+}
+
+}  // namespace
+
+bool StartsLeanStream(grpc::ByteBuffer* message) {
+  grpc::ProtoBufferReader reader(message);
+  return SkipLeanMarker(&reader);
 }
 
 Status LeanReceiver::OnMessage(grpc::ByteBuffer* message) {
@@ -227,13 +238,13 @@ Status LeanReceiver::OnHead(grpc::ByteBuffer* message) {
   head_seen_ = true;
   ScratchLeanHead head;
   size_t length = message->Length();
-  if (!StartsLeanStream(message)) {
+  grpc::ProtoBufferReader reader(message);
+  if (!SkipLeanMarker(&reader)) {
     return absl::InvalidArgumentError(
         absl::StrCat("lean framing: the first message (", length,
                      " bytes) does not start with the lean marker byte 0"));
   }
-  grpc::ProtoBufferReader reader(message);
-  if (!reader.Skip(1) || !head->ParseFromZeroCopyStream(&reader)) {
+  if (!head->ParseFromZeroCopyStream(&reader)) {
     return absl::InvalidArgumentError(
         absl::StrCat("lean framing: the first message (", length,
                      " bytes) is not a valid LeanHead"));
