@@ -304,7 +304,7 @@ class ServerCall {
   void OnReadDone(bool ok) {
     if (internal_ != nullptr) return RunInternal(ok);
     // The first message tells the framing.
-    if (ok && !lean_ && !receiver_ && StartsLeanStream(&read_buf_)) {
+    if (ok && !lean_ && StartsLeanStream(&read_buf_)) {
       lean_ = true;
       receiver_.emplace([this](const LeanHead& head) { return OnHead(head); });
     }
