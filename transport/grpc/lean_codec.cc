@@ -27,13 +27,27 @@ std::optional<ResendMetadata> ParseResendMetadata(std::string_view value) {
   return r;
 }
 
+namespace {
+
+// Parses the `size` bytes left in `reader`. Bounded by them, protobuf sizes
+// a string field by the bytes there are: from an unbounded stream it
+// reserves what the field's length claims, up to 50 MB per field, whatever
+// the message's real size.
+bool ParseBounded(grpc::ProtoBufferReader* reader, size_t size,
+                  google::protobuf::MessageLite* msg) {
+  return size <= static_cast<size_t>(std::numeric_limits<int>::max()) &&
+         msg->ParseFromBoundedZeroCopyStream(reader, static_cast<int>(size));
+}
+
+}  // namespace
+
 Status AcceptPlainRequest(grpc::ByteBuffer* bytes,
                           google::protobuf::Message* msg,
                           const internal::TensorPlacement& placement,
                           uint64_t max_bytes, std::shared_ptr<const void> owner,
                           CallTensors* tensors) {
   grpc::ProtoBufferReader reader(bytes);
-  if (!msg->ParseFromZeroCopyStream(&reader)) {
+  if (!ParseBounded(&reader, bytes->Length(), msg)) {
     return absl::InvalidArgumentError(
         absl::StrCat("request does not parse as ", msg->GetTypeName()));
   }
@@ -244,7 +258,7 @@ Status LeanReceiver::OnHead(grpc::ByteBuffer* message) {
         absl::StrCat("lean framing: the first message (", length,
                      " bytes) does not start with the lean marker byte 0"));
   }
-  if (!head->ParseFromZeroCopyStream(&reader)) {
+  if (!ParseBounded(&reader, length - 1, &*head)) {
     return absl::InvalidArgumentError(
         absl::StrCat("lean framing: the first message (", length,
                      " bytes) is not a valid LeanHead"));

@@ -4,13 +4,20 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <numeric>
 #include <string>
 #include <vector>
 
 namespace rdmarpc::grpc_transport {
 namespace {
+
+// The largest single allocation made while watched (operator new below).
+std::atomic<bool> watch_allocations{false};
+std::atomic<size_t> largest_allocation{0};
 
 struct RoundTrip {
   int messages = 0;  // head included
@@ -155,5 +162,53 @@ TEST(LeanCodecTest, AHeadWithoutTheMarkerIsRefused) {
   EXPECT_NE(s.message().find("lean marker"), std::string::npos) << s;
 }
 
+// A peer's head that claims a 40 MB field in a few bytes is refused without
+// reserving what it claims (protobuf, reading an unbounded stream, reserves
+// a string field's claimed length up to 50 MB).
+TEST(LeanCodecTest, AClaimedLengthIsNotReservedBeyondTheMessage) {
+#ifdef RDMARPC_SANITIZED
+  GTEST_SKIP() << "counts allocations through its own operator new, which "
+                  "the sanitizers' would clash with";
+#endif
+  std::string bytes(1, kLeanMarker);
+  bytes += '\x12';  // LeanHead.message, length-delimited
+  for (uint32_t n = 40'000'000;; n >>= 7) {
+    if (n < 0x80) {
+      bytes += static_cast<char>(n);
+      break;
+    }
+    bytes += static_cast<char>(n | 0x80);
+  }
+  bytes += "and then only these bytes";
+  grpc::ByteBuffer message = Buffer(bytes);
+  LeanReceiver receiver(
+      [](const LeanHead&) -> StatusOr<std::vector<TensorBuffer>> {
+        return std::vector<TensorBuffer>{};
+      });
+  largest_allocation = 0;
+  watch_allocations = true;
+  Status s = receiver.OnMessage(&message);
+  watch_allocations = false;
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_LT(largest_allocation.load(), size_t{1} << 20);
+}
+
 }  // namespace
 }  // namespace rdmarpc::grpc_transport
+
+#ifndef RDMARPC_SANITIZED
+// Every allocation of the test goes through this, so that a test can see
+// the largest one (the default operator delete frees what malloc gave).
+// The sanitizers bring their own.
+void* operator new(size_t size) {
+  using rdmarpc::grpc_transport::largest_allocation;
+  if (rdmarpc::grpc_transport::watch_allocations.load()) {
+    size_t seen = largest_allocation.load();
+    while (size > seen &&
+           !largest_allocation.compare_exchange_weak(seen, size)) {
+    }
+  }
+  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
+  throw std::bad_alloc();
+}
+#endif
