@@ -304,11 +304,10 @@ class ServerCall {
   void OnReadDone(bool ok) {
     if (internal_ != nullptr) return RunInternal(ok);
     // The first message tells the framing.
-    if (ok && !lean_ && StartsLeanStream(&read_buf_)) {
-      lean_ = true;
+    if (ok && !receiver_ && StartsLeanStream(&read_buf_)) {
       receiver_.emplace([this](const LeanHead& head) { return OnHead(head); });
     }
-    if (lean_) {
+    if (receiver_) {
       if (ok) {
         Status s = receiver_->OnMessage(&read_buf_);
         if (!s.ok()) return FinishOnce(s);
@@ -404,7 +403,7 @@ class ServerCall {
       return FinishOnce(absl::CancelledError("call cancelled"));
     }
     response_ = std::move(response);
-    if (!lean_) return RespondPlain();
+    if (!receiver_) return RespondPlain();
     auto plan = internal::PlanOutgoing(*response_, state_->tensors);
     if (!plan.ok()) return FinishOnce(HandlerError(plan.status()));
     Status produced = internal::WaitForGpuProducer(*plan, state_->cuda_stream);
@@ -512,8 +511,7 @@ class ServerCall {
   std::shared_ptr<internal::ServerCallState> state_;
   std::shared_ptr<Message> request_;
   std::unique_ptr<Message> response_;
-  bool lean_ = false;
-  std::optional<LeanReceiver> receiver_;
+  std::optional<LeanReceiver> receiver_;  // set: the call is lean
   std::optional<LeanSender> sender_;
   grpc::ByteBuffer read_buf_;
   grpc::ByteBuffer write_buf_;

@@ -191,15 +191,14 @@ void LeanSender::SkipEmpty() {
 }
 
 bool LeanSender::Done() const {
-  return head_sent_ && tensor_ >= out_of_band_.size();
+  return head_.size() == 0 && tensor_ >= out_of_band_.size();
 }
 
 StatusOr<bool> LeanSender::Next(grpc::ByteBuffer* out, bool* last) {
   if (Done()) return false;
-  if (!head_sent_) {
+  if (head_.size() > 0) {
     grpc::ByteBuffer(&head_, 1).Swap(out);
     head_ = grpc::Slice();
-    head_sent_ = true;
     *last = Done();
     return true;
   }

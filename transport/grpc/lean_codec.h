@@ -101,8 +101,9 @@ class LeanSender {
   bool Done() const;
   void SkipEmpty();
 
-  grpc::Slice head_;  // the serialized head, until it is sent
-  bool head_sent_ = false;
+  // The serialized head (never empty: it starts with kLeanMarker), until
+  // it is sent.
+  grpc::Slice head_;
   std::vector<TensorBuffer> out_of_band_;
   size_t chunk_bytes_;
   std::shared_ptr<const void> keep_;
