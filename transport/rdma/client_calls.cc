@@ -540,7 +540,10 @@ Status ClientEndpoint::OnResponse(const FrameView& frame, Outcomes* outcomes) {
   }
   uint64_t landing_bytes = 0;
   for (const TensorBuffer& b : r.in.landing) landing_bytes += b.size();
-  if (landing_bytes >= kRegisterAsideBytes) {
+  // A window over the arena's block grants a landing of any size at the
+  // cost of a posted bind.
+  if (landing_bytes >= kRegisterAsideBytes &&
+      !GrantThroughWindow(&r.in, conn_.get())) {
     // Pinning its pages would hold the engine, and so every connection it
     // polls: registered aside, and granted from there (GrantRegistered
     // gives the payload back).

@@ -649,6 +649,8 @@ bool Connection::WindowGrant::End(std::function<void(Status)> done) {
 
 StatusOr<Connection::WindowGrant> Connection::GrantWindow(TensorBuffer block) {
   bool set_up = false;
+  bool register_segment = false;
+  int segment = -1;
   StatusOr<WindowGrant> granted = absl::UnavailableError(
       "the landing arena is being registered on this connection");
   Status posted;
@@ -669,6 +671,25 @@ StatusOr<Connection::WindowGrant> Connection::GrantWindow(TensorBuffer block) {
         granted = windows_unavailable_;
         break;
       case WindowState::kReady: {
+        segment = LandingArena::Get()->SegmentOf(block.data());
+        if (segment < 0) {
+          granted = absl::InternalError(
+              "a landing window for memory outside the landing arena");
+          break;
+        }
+        if (arena_mrs_[segment] == nullptr) {
+          if (!segment_unavailable_[segment].ok()) {
+            granted = segment_unavailable_[segment];
+            break;
+          }
+          const uint32_t bit = uint32_t{1} << segment;
+          register_segment = (segments_registering_ & bit) == 0;
+          segments_registering_ |= bit;
+          granted = absl::UnavailableError(absl::StrCat(
+              "segment ", segment,
+              " of the landing arena is being registered on this connection"));
+          break;
+        }
         if (free_windows_.empty()) {
           granted = absl::UnavailableError(absl::StrCat(
               "all ", kLandingWindows, " landing windows are in use"));
@@ -681,7 +702,7 @@ StatusOr<Connection::WindowGrant> Connection::GrantWindow(TensorBuffer block) {
         wr.opcode = IBV_WR_BIND_MW;
         wr.bind_mw.mw = mw;
         wr.bind_mw.rkey = rkey;
-        wr.bind_mw.bind_info.mr = arena_mr_.get();
+        wr.bind_mw.bind_info.mr = arena_mrs_[segment].get();
         wr.bind_mw.bind_info.addr = reinterpret_cast<uintptr_t>(block.data());
         wr.bind_mw.bind_info.length = block.size();
         wr.bind_mw.bind_info.mw_access_flags = IBV_ACCESS_REMOTE_WRITE;
@@ -710,6 +731,11 @@ StatusOr<Connection::WindowGrant> Connection::GrantWindow(TensorBuffer block) {
   if (set_up) {
     RunAside([self = shared_from_this()] { self->SetUpLandingWindows(); });
   }
+  if (register_segment) {
+    RunAside([self = shared_from_this(), segment] {
+      self->RegisterArenaSegment(segment);
+    });
+  }
   return granted;
 }
 
@@ -736,8 +762,8 @@ Status ArenaFitsLockLimit() {
   }
   return absl::UnavailableError(absl::StrCat(
       "the locked-memory limit is ", limit.rlim_cur >> 20,
-      " MB: the landing arena is left out below 1 GB, so small landings "
-      "are registered per call (raise `ulimit -l` to use it)"));
+      " MB: the landing arena is left out below 1 GB, so landings are "
+      "registered per call (raise `ulimit -l` to use it)"));
 }
 
 }  // namespace
@@ -762,8 +788,11 @@ void Connection::SetUpLandingWindows() {
           "per call"));
     }
     RDMARPC_RETURN_IF_ERROR(ArenaFitsLockLimit());
+    // Its first segment now, later ones when a grant first needs them
+    // (RegisterArenaSegment).
+    const LandingArena::Segment first = arena->segment(0);
     RDMARPC_ASSIGN_OR_RETURN(
-        mr, RegisterMemory(res_.pd.get(), arena->base(), arena->size(),
+        mr, RegisterMemory(res_.pd.get(), first.base, first.size,
                            IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND));
     for (uint32_t i = 0; i < kLandingWindows; ++i) {
       errno = 0;
@@ -782,10 +811,29 @@ void Connection::SetUpLandingWindows() {
     windows_unavailable_ = std::move(ready);
     return;
   }
-  arena_mr_ = std::move(mr);
+  arena_mrs_[0] = std::move(mr);
   for (uint32_t i = 0; i < windows.size(); ++i) free_windows_.push_back(i);
   windows_ = std::move(windows);
   window_state_ = WindowState::kReady;
+}
+
+void Connection::RegisterArenaSegment(int segment) {
+  const LandingArena::Segment memory = LandingArena::Get()->segment(segment);
+  // Pinned without mu_ held (it takes long for a large segment); the
+  // region is kept under it. The domain outlives it (arena_mrs_ is
+  // declared after res_).
+  StatusOr<MemoryRegion> mr =
+      RegisterMemory(res_.pd.get(), memory.base, memory.size,
+                     IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND);
+  std::lock_guard<std::mutex> lock(mu_);
+  segments_registering_ &= ~(uint32_t{1} << segment);
+  if (closed_.load()) return;  // the region goes with `mr`
+  if (!mr.ok()) {
+    // Its blocks are registered per call from now on, saying why.
+    segment_unavailable_[segment] = mr.status();
+    return;
+  }
+  arena_mrs_[segment] = *std::move(mr);
 }
 
 Status Connection::PostWindowOpLocked(ibv_send_wr& wr, int window,

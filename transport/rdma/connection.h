@@ -32,6 +32,7 @@
 #ifndef RDMARPC_TRANSPORT_RDMA_CONNECTION_H_
 #define RDMARPC_TRANSPORT_RDMA_CONNECTION_H_
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -51,6 +52,7 @@
 #include "runtime/completion.h"
 #include "runtime/transport.h"
 #include "transport/rdma/flow_control.h"
+#include "transport/rdma/landing_arena.h"
 #include "transport/rdma/verbs.h"
 #include "transport/rdma/wire.h"
 
@@ -353,9 +355,12 @@ class Connection : public std::enable_shared_from_this<Connection>,
   Status PostWritePieceLocked(PendingWrite& write, bool* finished);
   // Poster thread: posts a write piece queued by PostWritePieceLocked.
   void PostAside(ibv_send_wr wr, ibv_sge sge);
-  // Registers the landing arena in this connection's domain and makes its
-  // windows (registration thread; GrantWindow starts it).
+  // Registers the landing arena's first segment in this connection's domain
+  // and makes its windows (registration thread; GrantWindow starts it).
   void SetUpLandingWindows();
+  // Registers a later segment of the arena here (registration thread;
+  // GrantWindow starts it when a block of that segment is first granted).
+  void RegisterArenaSegment(int segment);
   // Posts a bind or invalidation of window `window` (wr.opcode and its
   // fields set); `done` runs as for a frame's `sent`, and `block` is held
   // until then.
@@ -417,7 +422,11 @@ class Connection : public std::enable_shared_from_this<Connection>,
   enum class WindowState { kNotSetUp, kSettingUp, kReady, kUnavailable };
   WindowState window_state_ = WindowState::kNotSetUp;
   Status windows_unavailable_;  // why, in kUnavailable
-  MemoryRegion arena_mr_;
+  // The arena's segments registered here (by index), those being
+  // registered (a bit each) and why one could not be.
+  std::array<MemoryRegion, LandingArena::kMaxSegments> arena_mrs_;
+  uint32_t segments_registering_ = 0;
+  std::array<Status, LandingArena::kMaxSegments> segment_unavailable_;
   std::vector<MemoryWindow> windows_;
   std::vector<uint32_t> free_windows_;
 };

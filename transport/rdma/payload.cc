@@ -311,25 +311,22 @@ Status ReceivePayload(const google::protobuf::RepeatedPtrField<Part>& parts,
       }
     }
   }
-  // Small landings in host memory share one block of the landing arena,
-  // granted through a memory window (RegisterLandingMemory).
+  // Landings in host memory share one block of the landing arena, granted
+  // through a memory window (GrantThroughWindow, RegisterLandingMemory).
   auto lands_in_arena = [&](size_t i) {
     return in.parts[i].out_of_band() &&
            (i == 0 || (devices[i - 1].is_host() &&
                        (i - 1 >= supplied.size() || supplied[i - 1].empty())));
   };
-  uint64_t out_of_band_bytes = 0;
   size_t arena_bytes = 0;
   for (size_t i = 0; i < in.parts.size(); ++i) {
     if (!in.parts[i].out_of_band()) continue;
-    out_of_band_bytes += in.parts[i].size();
     if (lands_in_arena(i)) {
       arena_bytes += LandingArena::Rounded(in.parts[i].size());
     }
   }
   LandingArena* arena = LandingArena::Get();
-  if (arena != nullptr && arena_bytes > 0 &&
-      out_of_band_bytes < kRegisterAsideBytes) {
+  if (arena != nullptr && arena_bytes > 0) {
     if (auto block = arena->Allocate(arena_bytes)) {
       in.arena_block = *std::move(block);
     }
@@ -391,8 +388,19 @@ bool InBlock(const TensorBuffer& block, const TensorBuffer& part) {
 
 }  // namespace
 
+bool GrantThroughWindow(IncomingPayload* in, Connection* conn) {
+  if (in->arena_block.empty() || in->window) return false;
+  for (const TensorBuffer& landing : in->landing) {
+    if (!InBlock(in->arena_block, landing)) return false;
+  }
+  StatusOr<Connection::WindowGrant> window = conn->GrantWindow(in->arena_block);
+  if (!window.ok()) return false;
+  in->window = *std::move(window);
+  return true;
+}
+
 Status RegisterLandingMemory(IncomingPayload* in, Connection* conn) {
-  if (!in->arena_block.empty()) {
+  if (!in->arena_block.empty() && !in->window) {
     // Without a window (none free, or none on this device) the block is
     // registered per call like any other landing memory.
     StatusOr<Connection::WindowGrant> window =

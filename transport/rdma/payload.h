@@ -117,7 +117,7 @@ struct IncomingPayload {
   std::vector<size_t> landing_part;
   // Per landing: its registration, or null where `window` grants it.
   std::vector<MemoryRegion> landing_mrs;
-  // The landing-arena block that small host landings share, and the
+  // The landing-arena block that the call's host landings share, and the
   // window that grants it (when the connection had one free). The
   // endpoint ends the window before FinishPayload reads the bytes.
   TensorBuffer arena_block;
@@ -152,10 +152,17 @@ struct IncomingPayload {
     IncomingPayload* in);
 
 // Grants in.landing remote write for the grant's lifetime: the arena
-// block through a window of `conn` where one is free, the rest (or all)
-// registered per call.
+// block through a window of `conn` where one is free (unless
+// GrantThroughWindow did already), the rest (or all) registered per call.
 [[nodiscard]] Status RegisterLandingMemory(IncomingPayload* in,
                                            Connection* conn);
+
+// Grants the whole landing through one window of `conn` when every part
+// lands in the arena's block and a window is free: true if so, and then
+// RegisterLandingMemory has nothing left to register, so the poller can
+// grant a landing of any size without pinning a page. False leaves `in`
+// as it was.
+bool GrantThroughWindow(IncomingPayload* in, Connection* conn);
 
 // Regions for a grant of `in.landing`.
 void AddGrantRegions(const IncomingPayload& in, Grant* grant);

@@ -275,7 +275,10 @@ Status ServerEndpoint::AdmitRequest(const FrameView& frame) {
     DispatchLocked(call_id);
     return absl::OkStatus();
   }
-  if (landing_bytes >= kRegisterAsideBytes) {
+  // A window over the arena's block grants a landing of any size at the
+  // cost of a posted bind.
+  if (landing_bytes >= kRegisterAsideBytes &&
+      !GrantThroughWindow(&r.in, conn_.get())) {
     // Pinning its pages would hold the engine, and so every connection it
     // polls: registered aside, and granted from there.
     r.landing_aside = true;
@@ -337,6 +340,7 @@ void ServerEndpoint::GrantRegistered(
   if (!registered.ok()) {
     return FailLocked(call_id, registered, /*not_executed=*/true);
   }
+  if (r->in.window) shared_->landing_windows.fetch_add(1);
   GrantLocked(call_id);
 }
 

@@ -25,6 +25,7 @@
 #include "transport/grpc/grpc_client.h"
 #include "transport/rdma/connection_setup.h"
 #include "transport/rdma/engine.h"
+#include "transport/rdma/landing_arena.h"
 #include "transport/rdma/rdma_client.h"
 #include "transport/rdma/verbs.h"
 #include "transport/rdma/wire.h"
@@ -281,6 +282,57 @@ TEST(RdmaTransport, SmallTensorsLandInTheArenaThroughWindows) {
   EXPECT_EQ(channel->transport_stats().rdma_landing_windows - client_before,
             64u);
   EXPECT_EQ(server->rdma_stats().landing_windows - server_before, 64u);
+}
+
+// Landings of 1 MiB and more come from the landing arena too. Here the
+// arena's room so far is held, so the calls' landings are placed in a
+// segment it grew by, which each connection registers aside on first use;
+// from then on such calls are granted through windows both ways, with no
+// registration of their own, byte-exact.
+TEST(RdmaTransport, LargeTensorsLandInAGrownArenaSegmentThroughWindows) {
+  rdmarpc::rdma::LandingArena* arena = rdmarpc::rdma::LandingArena::Get();
+  ASSERT_NE(arena, nullptr);
+  constexpr size_t kMiB = size_t{1} << 20;
+  const int segments_before = arena->segments();
+  std::vector<rdmarpc::TensorBuffer> held;
+  while (arena->segments() == segments_before) {
+    auto block = arena->Allocate(kMiB);
+    ASSERT_TRUE(block.has_value()) << "the arena cannot grow";
+    held.push_back(*std::move(block));
+  }
+  held.pop_back();  // the grown segment stays free for the calls
+  Service service;
+  int port = 0;
+  auto server = StartInlineServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  auto channel = RdmaChannel(port);
+  auto stub = E2E::NewStub(channel);
+  auto windows = [&] {
+    return std::make_pair(channel->transport_stats().rdma_landing_windows,
+                          server->rdma_stats().landing_windows);
+  };
+  // Each side registers the new segment aside after its first landing
+  // there: those calls register their landing themselves.
+  uint32_t seed = 1;
+  bool both_windowed = false;
+  for (int i = 0; i < 40 && !both_windowed; ++i) {
+    const auto before = windows();
+    ASSERT_TRUE(EchoOnce(stub.get(), 2 * kMiB + 4099, seed++));
+    const auto after = windows();
+    both_windowed =
+        after.first == before.first + 1 && after.second == before.second + 1;
+    if (!both_windowed) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+  ASSERT_TRUE(both_windowed);
+  const auto before = windows();
+  for (int i = 0; i < 8; ++i) {
+    ASSERT_TRUE(EchoOnce(stub.get(), 2 * kMiB + 977 * size_t(i), seed++));
+  }
+  EXPECT_EQ(windows().first - before.first, 8u);
+  EXPECT_EQ(windows().second - before.second, 8u);
+  EXPECT_GT(arena->segments(), segments_before);
 }
 
 // A handler that blocks on the engine is counted, so it can be found.
