@@ -646,6 +646,12 @@ Status ClientEndpoint::OnWriteLanded(uint32_t immediate) {
       // invalidation completed (on this thread, later), or now if the
       // connection is closing.
       r.stage = ClientRecord::Stage::kEndingGrant;
+      // Fault injection: the connection fails once the response landed,
+      // before its window's invalidation is posted.
+      if (RDMARPC_FAULT("rdma.client.close_before_window_ends")) {
+        conn_->Close(absl::UnavailableError("fault: closed after landing"),
+                     "fault");
+      }
       // `this` outlives it: the connection holds its handler until after
       // the last continuation (and it is small enough for no allocation).
       if (r.in.window.End([this, call_id](Status) { FinishLanded(call_id); })) {

@@ -48,10 +48,17 @@ class FallbackTest : public ::testing::Test {
   }
 
   // An Echo of `size` bytes; returns the transport, or kNone on failure.
+  // `landing`, if given, is where the response's tensor lands (at least
+  // `size` bytes), instead of memory the transport picks.
   rdmarpc::TransportKind Echo(rdmarpc::Channel* channel, size_t size,
-                              rdmarpc::Status* status = nullptr) {
+                              rdmarpc::Status* status = nullptr,
+                              uint8_t* landing = nullptr) {
     std::vector<uint8_t> bytes = Pattern(size, static_cast<uint32_t>(size));
     rdmarpc::ClientContext ctx;
+    if (landing != nullptr) {
+      ctx.SetResponseTensorBuffer(0,
+                                  rdmarpc::TensorBuffer::Borrow(landing, size));
+    }
     EchoRequest req;
     EchoResponse resp;
     EXPECT_TRUE(ctx.tensors()
@@ -67,6 +74,19 @@ class FallbackTest : public ::testing::Test {
     EXPECT_TRUE(out.ok() && out->size() == size &&
                 std::memcmp(out->data(), bytes.data(), size) == 0);
     return ctx.stats().transport;
+  }
+
+  // The fault closed `channel`'s connection (the call may finish before
+  // the close reaches the channel) and no call was re-sent.
+  void ExpectClosedByTheFaultWithoutAResend(rdmarpc::Channel* channel) {
+    auto until = std::chrono::steady_clock::now() + 10s;
+    while (channel->transport_stats().last_trigger.empty() &&
+           std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(5ms);
+    }
+    rdmarpc::ChannelTransportStats stats = channel->transport_stats();
+    EXPECT_EQ(stats.last_trigger, "fault") << stats.ToString();
+    EXPECT_EQ(stats.calls_resent, 0u) << stats.ToString();
   }
 
   // Starts a Slow call of `sleep_ms` (the request and response must
@@ -325,28 +345,48 @@ TEST_F(FallbackTest, GrantSendFailingOnAClosingConnectionResendsTheCall) {
 TEST_F(FallbackTest, ResponseLandedBeforeTheConnectionFailedIsTheAnswer) {
   Start();
   auto channel = Channel({});
-  // Over 1 MiB: the landing memory is deregistered aside, and the
-  // connection fails meanwhile. The server counts the response delivered
-  // (its writes completed), so a re-send would be refused ("already ran and
-  // its response was delivered"): the landed response must answer the call.
+  // Over 1 MiB, in a buffer of the caller's own (the landing arena's would
+  // be granted through a window, the next test): the landing memory is
+  // deregistered aside, and the connection fails meanwhile. The server
+  // counts the response delivered (its writes completed), so a re-send
+  // would be refused ("already ran and its response was delivered"): the
+  // landed response must answer the call.
   constexpr size_t kBytes = 3 << 20;
-  ASSERT_EQ(Echo(channel.get(), kBytes), rdmarpc::TransportKind::kRdma);
+  std::vector<uint8_t> landing(kBytes);
+  ASSERT_EQ(Echo(channel.get(), kBytes, nullptr, landing.data()),
+            rdmarpc::TransportKind::kRdma);
   int runs_before = service_.echo_calls.load();
   fault::Arm("rdma.client.close_while_landing", 1);
+  rdmarpc::Status s;
+  EXPECT_EQ(Echo(channel.get(), kBytes, &s, landing.data()),
+            rdmarpc::TransportKind::kRdma)
+      << s;
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(service_.echo_calls.load(), runs_before + 1);
+  ExpectClosedByTheFaultWithoutAResend(channel.get());
+}
+
+// The same with the response landed in the landing arena through a
+// window: the connection fails before the window's invalidation is posted.
+TEST_F(FallbackTest, ResponseLandedThroughAWindowBeforeTheConnectionFailed) {
+  Start();
+  auto channel = Channel({});
+  constexpr size_t kBytes = 3 << 20;
+  // A connection sets its windows up aside after its first landing.
+  auto until = std::chrono::steady_clock::now() + 60s;
+  do {
+    ASSERT_EQ(Echo(channel.get(), kBytes), rdmarpc::TransportKind::kRdma);
+  } while (channel->transport_stats().rdma_landing_windows == 0 &&
+           std::chrono::steady_clock::now() < until);
+  ASSERT_GT(channel->transport_stats().rdma_landing_windows, 0u);
+  int runs_before = service_.echo_calls.load();
+  fault::Arm("rdma.client.close_before_window_ends", 1);
   rdmarpc::Status s;
   EXPECT_EQ(Echo(channel.get(), kBytes, &s), rdmarpc::TransportKind::kRdma)
       << s;
   EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(service_.echo_calls.load(), runs_before + 1);
-  // The call may finish before the close reaches the channel.
-  auto until = std::chrono::steady_clock::now() + 10s;
-  while (channel->transport_stats().last_trigger.empty() &&
-         std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(5ms);
-  }
-  rdmarpc::ChannelTransportStats stats = channel->transport_stats();
-  EXPECT_EQ(stats.last_trigger, "fault") << stats.ToString();
-  EXPECT_EQ(stats.calls_resent, 0u) << stats.ToString();
+  ExpectClosedByTheFaultWithoutAResend(channel.get());
 }
 
 TEST_F(FallbackTest, ShutdownWithAResendPendingEndsByItsDeadline) {
