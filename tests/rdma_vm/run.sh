@@ -19,7 +19,8 @@
 #   RDMARPC_VM_CACHE      kernel + initramfs cache
 #                         (default ${XDG_CACHE_HOME:-~/.cache}/rdmarpc/rdma-vm)
 #   RDMARPC_VM_TIMEOUT    seconds before a hung guest is killed (default 1800)
-#   RDMARPC_VM_MEM_MB     guest memory (default 4096)
+#   RDMARPC_VM_MEM_MB     guest memory (default 6144: the TSan tree's
+#                         1 GiB echo needs over 4 GiB with its shadow)
 #   RDMARPC_VM_CPUS       guest vCPUs (default: this machine's cores, max 4)
 #   RDMARPC_VM_ACCEL      tcg (default) | kvm (opt in where KVM works: on
 #                         some hosts /dev/kvm exists but guests hang)
@@ -251,7 +252,7 @@ security_model=none
 kernel_image="$kdir/vmlinuz"
 [ -s "$kdir/vmlinux" ] && kernel_image="$kdir/vmlinux"
 qemu_args=(
-  "${accel_args[@]}" -m "${RDMARPC_VM_MEM_MB:-4096}" -smp "$cpus"
+  "${accel_args[@]}" -m "${RDMARPC_VM_MEM_MB:-6144}" -smp "$cpus"
   -nic none -nographic -no-reboot
   -kernel "$kernel_image" -initrd "$kdir/initrd.gz"
   -virtfs "local,path=/,mount_tag=hostroot,security_model=$security_model,id=hostroot,multidevs=remap"

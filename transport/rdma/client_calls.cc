@@ -552,7 +552,11 @@ Status ClientEndpoint::OnResponse(const FrameView& frame, Outcomes* outcomes) {
     RunAside([self = shared_from_this(), call_id,
               in = std::make_shared<IncomingPayload>(std::exchange(r.in, {})),
               conn = conn_] {
-      Status registered = RegisterLandingMemory(in.get(), conn.get());
+      // Fault injection: a test holds the registration thread here.
+      internal::fault::HoldWhileArmed("rdma.client.hold_registration",
+                                      "rdma.client.registration_held");
+      Status registered =
+          RegisterLandingMemory(in.get(), conn.get(), /*window=*/false);
       self->GrantRegistered(call_id, std::move(*in), std::move(registered));
     });
     return absl::OkStatus();

@@ -32,6 +32,67 @@ constexpr uint64_t kReceiveBit = uint64_t{1} << 63;
 constexpr int kPostedSlotBits = 20;
 constexpr uint64_t kPostedSlotMask = (uint64_t{1} << kPostedSlotBits) - 1;
 
+// The locked-memory limit in bytes, or nullopt when the process may lock
+// any amount (CAP_IPC_LOCK, an unlimited limit).
+std::optional<uint64_t> LockLimit() {
+  static const bool can_lock_any = [] {
+    std::ifstream status("/proc/self/status");
+    std::string line;
+    while (std::getline(status, line)) {
+      if (line.rfind("CapEff:", 0) != 0) continue;
+      uint64_t caps = std::strtoull(line.c_str() + 7, nullptr, 16);
+      return ((caps >> CAP_IPC_LOCK) & 1) != 0;
+    }
+    return false;
+  }();
+  rlimit limit{};
+  if (can_lock_any || getrlimit(RLIMIT_MEMLOCK, &limit) != 0 ||
+      limit.rlim_cur == RLIM_INFINITY) {
+    return std::nullopt;
+  }
+  return limit.rlim_cur;
+}
+
+// Whether pinning the arena on every connection could eat into the
+// locked-memory budget that user and large-call registrations need: the
+// arena is left out below 1 GiB unless the process may lock any amount.
+Status ArenaFitsLockLimit() {
+  const std::optional<uint64_t> limit = LockLimit();
+  if (!limit || *limit >= (uint64_t{1} << 30)) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat(
+      "the locked-memory limit is ", *limit >> 20,
+      " MB: the landing arena is left out below 1 GB, so landings are "
+      "registered per call (raise `ulimit -l` to use it)"));
+}
+
+// Bytes of the landing arena pinned over all connections: each
+// registration of a segment counts against the locked-memory limit, though
+// the pages are the same, so together they may take at most half of it
+// and leave the rest to user, send and per-call registrations.
+std::atomic<uint64_t> arena_pinned{0};
+
+Status ReserveArenaPin(uint64_t bytes) {
+  const std::optional<uint64_t> limit = LockLimit();
+  if (!limit) {
+    arena_pinned.fetch_add(bytes);
+    return absl::OkStatus();
+  }
+  uint64_t pinned = arena_pinned.load();
+  do {
+    if (pinned + bytes > *limit / 2) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the landing arena is pinned for ", pinned >> 20,
+          " MB over all connections; one more segment of ", bytes >> 20,
+          " MB would pass half the locked-memory limit of ", *limit >> 20,
+          " MB, so its landings are registered per call here (raise "
+          "`ulimit -l`)"));
+    }
+  } while (!arena_pinned.compare_exchange_weak(pinned, pinned + bytes));
+  return absl::OkStatus();
+}
+
+void ReleaseArenaPin(uint64_t bytes) { arena_pinned.fetch_sub(bytes); }
+
 CreditWindow::Options WindowOptions(const ConnectionConfig& c) {
   return {.peer_receives = c.peer_receives,
           .send_queue_slots = c.send_queue_slots,
@@ -110,7 +171,11 @@ Connection::Connection(ConnectionResources resources,
   }
 }
 
-Connection::~Connection() = default;
+Connection::~Connection() {
+  // Regions not handed aside by FinishClose (a connection never added).
+  for (MemoryRegion& mr : arena_mrs_) mr.reset();
+  ReleaseArenaPin(arena_pinned_);
+}
 
 Status Connection::PostReceive(uint32_t index) {
   ibv_sge sge{};
@@ -739,37 +804,9 @@ StatusOr<Connection::WindowGrant> Connection::GrantWindow(TensorBuffer block) {
   return granted;
 }
 
-namespace {
-
-// Whether pinning the arena on every connection could eat into the
-// locked-memory budget that user and large-call registrations need: the
-// arena is left out below 1 GiB unless the process may lock any amount.
-Status ArenaFitsLockLimit() {
-  static const bool can_lock_any = [] {
-    std::ifstream status("/proc/self/status");
-    std::string line;
-    while (std::getline(status, line)) {
-      if (line.rfind("CapEff:", 0) != 0) continue;
-      uint64_t caps = std::strtoull(line.c_str() + 7, nullptr, 16);
-      return ((caps >> CAP_IPC_LOCK) & 1) != 0;
-    }
-    return false;
-  }();
-  rlimit limit{};
-  if (can_lock_any || getrlimit(RLIMIT_MEMLOCK, &limit) != 0 ||
-      limit.rlim_cur == RLIM_INFINITY || limit.rlim_cur >= (rlim_t{1} << 30)) {
-    return absl::OkStatus();
-  }
-  return absl::UnavailableError(absl::StrCat(
-      "the locked-memory limit is ", limit.rlim_cur >> 20,
-      " MB: the landing arena is left out below 1 GB, so landings are "
-      "registered per call (raise `ulimit -l` to use it)"));
-}
-
-}  // namespace
-
 void Connection::SetUpLandingWindows() {
   MemoryRegion mr;
+  uint64_t pinned = 0;  // reserved with ReserveArenaPin for `mr`
   std::vector<MemoryWindow> windows;
   Status ready = [&]() -> Status {
     LandingArena* arena = LandingArena::Get();
@@ -791,9 +828,16 @@ void Connection::SetUpLandingWindows() {
     // Its first segment now, later ones when a grant first needs them
     // (RegisterArenaSegment).
     const LandingArena::Segment first = arena->segment(0);
-    RDMARPC_ASSIGN_OR_RETURN(
-        mr, RegisterMemory(res_.pd.get(), first.base, first.size,
-                           IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND));
+    RDMARPC_RETURN_IF_ERROR(ReserveArenaPin(first.size));
+    StatusOr<MemoryRegion> registered =
+        RegisterMemory(res_.pd.get(), first.base, first.size,
+                       IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND);
+    if (!registered.ok()) {
+      ReleaseArenaPin(first.size);
+      return registered.status();
+    }
+    mr = *std::move(registered);
+    pinned = first.size;
     for (uint32_t i = 0; i < kLandingWindows; ++i) {
       errno = 0;
       MemoryWindow mw(ibv_alloc_mw(res_.pd.get(), IBV_MW_TYPE_2));
@@ -805,6 +849,11 @@ void Connection::SetUpLandingWindows() {
     return absl::OkStatus();
   }();
   std::lock_guard<std::mutex> lock(mu_);
+  if (closed_.load() || !ready.ok()) {
+    // The region goes here, on the registration thread.
+    mr.reset();
+    ReleaseArenaPin(pinned);
+  }
   if (closed_.load()) return;  // FinishClose settled the state
   if (!ready.ok()) {
     window_state_ = WindowState::kUnavailable;
@@ -812,6 +861,7 @@ void Connection::SetUpLandingWindows() {
     return;
   }
   arena_mrs_[0] = std::move(mr);
+  arena_pinned_ += pinned;
   for (uint32_t i = 0; i < windows.size(); ++i) free_windows_.push_back(i);
   windows_ = std::move(windows);
   window_state_ = WindowState::kReady;
@@ -819,21 +869,28 @@ void Connection::SetUpLandingWindows() {
 
 void Connection::RegisterArenaSegment(int segment) {
   const LandingArena::Segment memory = LandingArena::Get()->segment(segment);
+  // Over the budget: this grant and the next ones in the segment are
+  // registered per call, and a later one tries again.
+  const bool reserved = ReserveArenaPin(memory.size).ok();
   // Pinned without mu_ held (it takes long for a large segment); the
   // region is kept under it. The domain outlives it (arena_mrs_ is
   // declared after res_).
   StatusOr<MemoryRegion> mr =
-      RegisterMemory(res_.pd.get(), memory.base, memory.size,
-                     IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND);
+      reserved ? RegisterMemory(res_.pd.get(), memory.base, memory.size,
+                                IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND)
+               : StatusOr<MemoryRegion>(absl::ResourceExhaustedError(""));
   std::lock_guard<std::mutex> lock(mu_);
   segments_registering_ &= ~(uint32_t{1} << segment);
-  if (closed_.load()) return;  // the region goes with `mr`
-  if (!mr.ok()) {
-    // Its blocks are registered per call from now on, saying why.
-    segment_unavailable_[segment] = mr.status();
+  if (closed_.load() || !mr.ok()) {
+    if (mr.ok()) mr->reset();  // here, on the registration thread
+    if (reserved) ReleaseArenaPin(memory.size);
+    // A device's refusal stands: that segment's blocks are registered per
+    // call on this connection from now on, saying why.
+    if (reserved && !mr.ok()) segment_unavailable_[segment] = mr.status();
     return;
   }
   arena_mrs_[segment] = *std::move(mr);
+  arena_pinned_ += memory.size;
 }
 
 Status Connection::PostWindowOpLocked(ibv_send_wr& wr, int window,
@@ -933,6 +990,19 @@ void Connection::FinishClose() {
     free_windows_.clear();
     window_state_ = WindowState::kUnavailable;
     windows_unavailable_ = absl::UnavailableError("RDMA connection closed");
+    // Unpinning up to the arena's limit takes long: aside, holding this
+    // connection (and so its domain) until then.
+    auto arena_mrs = std::make_shared<std::vector<MemoryRegion>>();
+    for (MemoryRegion& mr : arena_mrs_) {
+      if (mr != nullptr) arena_mrs->push_back(std::move(mr));
+    }
+    if (!arena_mrs->empty()) {
+      RunAside([arena_mrs, pinned = std::exchange(arena_pinned_, 0),
+                self = shared_from_this()] {
+        arena_mrs->clear();
+        ReleaseArenaPin(pinned);
+      });
+    }
     // Once the queue pair is gone the device no longer touches any memory
     // the pending work referenced, so the continuations may release it.
     {

@@ -425,6 +425,7 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // The arena's segments registered here (by index), those being
   // registered (a bit each) and why one could not be.
   std::array<MemoryRegion, LandingArena::kMaxSegments> arena_mrs_;
+  uint64_t arena_pinned_ = 0;  // their bytes, counted in the process's budget
   uint32_t segments_registering_ = 0;
   std::array<Status, LandingArena::kMaxSegments> segment_unavailable_;
   std::vector<MemoryWindow> windows_;

@@ -17,10 +17,11 @@ size_t PageRounded(size_t bytes) {
   return (bytes + kPageBytes - 1) / kPageBytes * kPageBytes;
 }
 
+// At most 1 TiB, so that rounding up cannot wrap.
 size_t BytesFromEnv(const char* name, size_t otherwise) {
   const char* env = std::getenv(name);
   if (env == nullptr || *env == '\0') return otherwise;
-  return std::strtoull(env, nullptr, 10);
+  return std::min<size_t>(std::strtoull(env, nullptr, 10), size_t{1} << 40);
 }
 
 }  // namespace

@@ -399,8 +399,9 @@ bool GrantThroughWindow(IncomingPayload* in, Connection* conn) {
   return true;
 }
 
-Status RegisterLandingMemory(IncomingPayload* in, Connection* conn) {
-  if (!in->arena_block.empty() && !in->window) {
+Status RegisterLandingMemory(IncomingPayload* in, Connection* conn,
+                             bool window) {
+  if (window && !in->arena_block.empty() && !in->window) {
     // Without a window (none free, or none on this device) the block is
     // registered per call like any other landing memory.
     StatusOr<Connection::WindowGrant> window =

@@ -153,9 +153,13 @@ struct IncomingPayload {
 
 // Grants in.landing remote write for the grant's lifetime: the arena
 // block through a window of `conn` where one is free (unless
-// GrantThroughWindow did already), the rest (or all) registered per call.
+// GrantThroughWindow did already, or `window` is false), the rest (or all)
+// registered per call. Registrations of 1 MiB or more run aside with
+// `window` false: a call that holds no window ends its grant by dropping
+// its registrations, which then happens aside too.
 [[nodiscard]] Status RegisterLandingMemory(IncomingPayload* in,
-                                           Connection* conn);
+                                           Connection* conn,
+                                           bool window = true);
 
 // Grants the whole landing through one window of `conn` when every part
 // lands in the arena's block and a window is free: true if so, and then

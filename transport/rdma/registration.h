@@ -4,9 +4,9 @@
 // protection domain. Ranges the user registered (RegisterMemoryForRdma in
 // rdmarpc/memory.h) are registered once per connection and cached; any
 // other buffer is registered for one call and released with it. Landing
-// memory is registered per grant with remote-write access only (or, when
-// small, granted through a memory window over the pre-registered landing
-// arena: landing_arena.h), and the access ends with the grant, so a peer
+// memory is registered per grant with remote-write access only (or granted
+// through a memory window over the pre-registered landing arena:
+// landing_arena.h), and the access ends with the grant, so a peer
 // can write only where a call of its own connection is expecting bytes,
 // and only while it is.
 //

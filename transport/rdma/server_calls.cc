@@ -289,7 +289,8 @@ Status ServerEndpoint::AdmitRequest(const FrameView& frame) {
       // Fault injection: a test holds the registration thread here.
       internal::fault::HoldWhileArmed("rdma.server.hold_registration",
                                       "rdma.server.registration_held");
-      Status registered = RegisterLandingMemory(in.get(), conn.get());
+      Status registered =
+          RegisterLandingMemory(in.get(), conn.get(), /*window=*/false);
       self->GrantRegistered(call_id, state, std::move(*in),
                             std::move(registered));
     });
@@ -340,7 +341,6 @@ void ServerEndpoint::GrantRegistered(
   if (!registered.ok()) {
     return FailLocked(call_id, registered, /*not_executed=*/true);
   }
-  if (r->in.window) shared_->landing_windows.fetch_add(1);
   GrantLocked(call_id);
 }
 
