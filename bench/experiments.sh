@@ -83,14 +83,18 @@ small_calls() {
 # rpc_bench has both ends in one process; ib_send_lat is counted on its
 # server and its client and summed. Prints "syscalls,SYSTEM,64,per_call,V,n"
 # and "syscalls,SYSTEM,64,futex_per_call,V,n".
-sc_events="raw_syscalls:sys_enter,syscalls:sys_enter_futex"
+# Context switches stand for threads crossed: a call handed to a thread
+# that sleeps wakes it, and its waker or the woken one switches out.
+sc_events="raw_syscalls:sys_enter,syscalls:sys_enter_futex,context-switches"
 sc_tmp="$(mktemp -d)"
 trap 'rm -rf "$sc_tmp"' EXIT
-# perf_counts FILE...: "SYSCALLS FUTEXES" summed over perf stat -x, outputs.
+# perf_counts FILE...: "SYSCALLS FUTEXES SWITCHES" summed over perf stat
+# -x, outputs.
 perf_counts() {
   awk -F, '$3 == "raw_syscalls:sys_enter" {s += $1}
            $3 == "syscalls:sys_enter_futex" {f += $1}
-           END {print s + 0, f + 0}' "$@"
+           $3 == "context-switches" || $3 == "cs" {c += $1}
+           END {print s + 0, f + 0, c + 0}' "$@"
 }
 # per_call_rows SYSTEM CALLS "FEW_COUNTS" "MANY_COUNTS"
 per_call_rows() {
@@ -98,7 +102,8 @@ per_call_rows() {
   awk -v sys="$system" -v n="$calls" -v a="$few" -v b="$many" 'BEGIN {
     split(a, x, " "); split(b, y, " ");
     printf "syscalls,%s,64,per_call,%.2f,n\n", sys, (y[1] - x[1]) / n;
-    printf "syscalls,%s,64,futex_per_call,%.2f,n\n", sys, (y[2] - x[2]) / n }'
+    printf "syscalls,%s,64,futex_per_call,%.2f,n\n", sys, (y[2] - x[2]) / n;
+    printf "syscalls,%s,64,switches_per_call,%.2f,n\n", sys, (y[3] - x[3]) / n }'
 }
 # rpc_syscalls STYLE SYSTEM: STYLE is blocking or latency (callback API).
 rpc_syscalls() {
@@ -116,7 +121,8 @@ rpc_syscalls() {
 # with instructions, so this says where a small call's time goes, and it
 # does not drift between runs the way timings do. (perftest busy-polls, so
 # its count is its waiting time: no reference row.) Prints
-# "instructions,SYSTEM-STYLE,64,per_call,V,n".
+# "instructions,SYSTEM-STYLE,64,per_call,V,n", then the lock rows of
+# callgrind_locks.py.
 # stock-release-mutexes is stock gRPC with Abseil's debug deadlock detector
 # off, as rdmarpc's gRPC transports turn it off (release_mutexes.h).
 rpc_instructions() {
@@ -136,6 +142,9 @@ rpc_instructions() {
        END {printf "instructions,%s-%s,64,per_call,%.0f,n\n", sys, style,
                    (t[b] - t[a]) / 2000}' sys="$sys" style="$style" \
     a="$sc_tmp/cg.1000" b="$sc_tmp/cg.3000" "$sc_tmp/cg.1000" "$sc_tmp/cg.3000"
+  # Lock acquisitions per call from the same two profiles.
+  python3 bench/callgrind_locks.py "$sc_tmp/cg.1000" "$sc_tmp/cg.3000" 2000 \
+    "$sys-$style"
 }
 instructions_all() {
   local sys prefix

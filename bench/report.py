@@ -302,11 +302,13 @@ def main():
                "trip. Under a VM whose clock source is HPET every clock read "
                "is a system call; rpc_bench does not time its calls while "
                "it counts.", "",
-               "| path | system calls per call | futex calls per call |",
-               "|---|---|---|"]
+               "| path | system calls per call | futex calls per call | "
+               "context switches per call |",
+               "|---|---|---|---|"]
         for name in sorted(sc):
             md.append(f"| {name} | {fmt(sc[name].get('per_call'))} | "
-                      f"{fmt(sc[name].get('futex_per_call'))} |")
+                      f"{fmt(sc[name].get('futex_per_call'))} | "
+                      f"{fmt(sc[name].get('switches_per_call'))} |")
         md.append("")
         ref = sc.get("ib_send_lat", {}).get("per_call")
         fast = sc.get("rdma-inline-blocking", {})
@@ -409,6 +411,29 @@ def main():
             md.append(f"| {name} | {ins[name]:.0f} | {ratios[0]} | "
                       f"{ratios[1]} |")
         md.append("")
+    locks = {}
+    for r in rows:
+        if r["experiment"] == "locks":
+            locks.setdefault(r["system"], {})[r["metric"]] = float(r["value"])
+    if locks:
+        md += ["## Lock acquisitions per 64 B call (both ends, callgrind)", "",
+               "From the same two profiles as the instructions "
+               "(bench/callgrind_locks.py). Mutexes: pthread mutexes and "
+               "rwlocks, a condition variable's re-lock, absl::Mutex (gRPC's "
+               "gpr_mu). Provider spin locks: pthread spin locks, taken by "
+               "the verbs provider inside its post and poll calls, as in "
+               "perftest's own loop.", "",
+               "| path | mutexes per call | provider spin locks per call |",
+               "|---|---|---|"]
+        for name in sorted(locks):
+            m = locks[name]
+            md.append(f"| {name} | {fmt(m.get('mutex_per_call'))} | "
+                      f"{fmt(m.get('provider_spin_per_call'))} |")
+        md.append("")
+        fast = locks.get("rdma-inline-blocking", {}).get("mutex_per_call")
+        if fast is not None:
+            targets.append(("mutexes per call, RDMA, blocking stub, inline "
+                            "handlers (both ends): 0", fast, fast <= 0.1))
     allocs = {(exp, s): get(exp, s, "allocations_per_call").get(64)
               for exp in ("latency", "blocking")
               for s in ("rdma", "rdma-inline", "grpc", "grpc-inline", "stock")}

@@ -178,7 +178,9 @@ class CallWaiter {
       }
       if (taken) poll->GiveBack();
     }
-    {
+    // Done while spinning (the common case): Complete took no lock, and
+    // neither does this.
+    if (state_.load(std::memory_order_acquire) != kDone) {
       std::unique_lock<std::mutex> lock(mu_);
       int waiting = kWaiting;
       if (state_.compare_exchange_strong(waiting, kSleeping,

@@ -89,9 +89,13 @@ void ClientEndpoint::Attach(std::shared_ptr<Connection> conn) {
   std::lock_guard<std::mutex> lock(mu_);
   conn_ = std::move(conn);
   cache_ = RegistrationCache::Create(conn_->pd());
+  attached_ = conn_.get();
+  attached_cache_ = cache_.get();
 }
 
 Status ClientEndpoint::health() const {
+  // Asked before every call: no lock while the connection is up.
+  if (!lost_.load(std::memory_order_acquire)) return absl::OkStatus();
   std::lock_guard<std::mutex> lock(mu_);
   return closed_;
 }
@@ -170,18 +174,14 @@ void ClientEndpoint::Start(internal::ClientCall call) {
     m->set_key(k);
     m->set_value(v);
   }
-  std::shared_ptr<Connection> conn;
-  std::shared_ptr<RegistrationCache> cache;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!closed_.ok()) {
-      std::string why =
-          absl::StrCat("RDMA connection lost (", closed_.message(), ")");
-      return hooks_.reroute(std::move(call), why);
-    }
-    conn = conn_;
-    cache = cache_;
+  if (lost_.load(std::memory_order_acquire)) {
+    std::string why =
+        absl::StrCat("RDMA connection lost (", health().message(), ")");
+    return hooks_.reroute(std::move(call), why);
   }
+  // A close from here on fails the frame's send below, which reroutes.
+  Connection* conn = attached_;
+  RegistrationCache* cache = attached_cache_;
   size_t base = kPreambleBytes + head->ByteSizeLong();
   size_t room =
       conn->max_frame_bytes() > base ? conn->max_frame_bytes() - base : 0;
@@ -212,7 +212,7 @@ void ClientEndpoint::Start(internal::ClientCall call) {
     return hooks_.reroute(std::move(call), std::string(fits.message()));
   }
   auto record = std::make_unique<ClientRecord>();
-  auto sources = RegisterSources(*payload, cache.get(), conn->pd());
+  auto sources = RegisterSources(*payload, cache, conn->pd());
   if (!sources.ok()) {
     return hooks_.reroute(std::move(call),
                           absl::StrCat("RDMA ", sources.status().message()));
@@ -252,7 +252,8 @@ void ClientEndpoint::Start(internal::ClientCall call) {
       FinishLocked(call_id, absl::CancelledError("call cancelled"), &outcomes);
     } else {
       Status sent = conn->SendFrame(FrameType::kRequest, &*head,
-                                    sending->out.inline_parts);
+                                    sending->out.inline_parts, nullptr,
+                                    sending->out.message_part);
       if (!sent.ok()) {
         // Nothing reached the server: gRPC may carry it.
         FinishLocked(call_id, sent, &outcomes, Outcome::Next::kReroute);
@@ -350,11 +351,16 @@ void ClientEndpoint::FinishLocked(uint64_t call_id, Status status,
 void ClientEndpoint::Complete(Outcomes outcomes) {
   if (outcomes.empty()) return;
   // Registrations in the records belong to the connection's protection
-  // domain, which must outlive them.
+  // domain, which must outlive them. A small call's record holds none.
   std::shared_ptr<Connection> keep;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    keep = conn_;
+  for (const Outcome& o : outcomes) {
+    const ClientRecord& r = *o.record;
+    if (!r.sources.empty() || !r.out.out_of_band.empty() ||
+        !r.in.landing.empty()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      keep = conn_;
+      break;
+    }
   }
   for (Outcome& o : outcomes) {
     ClientRecord& r = *o.record;
@@ -726,6 +732,7 @@ void ClientEndpoint::OnClosed(const Status& why) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     closed_ = why;
+    lost_.store(true, std::memory_order_release);
     resend = !shutting_down_;
     conn = conn_;
   }

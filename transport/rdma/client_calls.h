@@ -141,6 +141,13 @@ class ClientEndpoint final
   WireLimits limits_;
 
   std::atomic<uint64_t> callback_stalls_{0};
+  // Set once by Attach, before the first Start, and never changed: Start
+  // reads them without mu_. The transport that calls Start holds the
+  // connection for its whole life; the cache is only cleared on close.
+  Connection* attached_ = nullptr;
+  RegistrationCache* attached_cache_ = nullptr;
+  // Whether closed_ is set: health() and Start read it without mu_.
+  std::atomic<bool> lost_{false};
   mutable std::mutex mu_;
   std::shared_ptr<Connection> conn_;
   std::shared_ptr<RegistrationCache> cache_;

@@ -196,10 +196,11 @@ Status Connection::PostReceive(uint32_t index) {
 Status Connection::SendFrame(
     FrameType type, const google::protobuf::MessageLite* head,
     std::span<const std::span<const uint8_t>> inline_parts,
-    std::function<void(Status)> sent) {
-  size_t inline_bytes = 0;
+    std::function<void(Status)>&& sent, MessagePart message) {
+  size_t inline_bytes = message.msg == nullptr ? 0 : message.bytes;
   for (const auto& p : inline_parts) inline_bytes += p.size();
-  // The only size computation: EncodeFrame serializes with cached sizes.
+  // The only size computation: EncodeFrameSized serializes with cached
+  // sizes.
   size_t head_bytes = head == nullptr ? 0 : head->ByteSizeLong();
   size_t total = FrameBytes(head_bytes, inline_bytes);
   if (total > config_.peer_receive_bytes) {
@@ -217,17 +218,19 @@ Status Connection::SendFrame(
       uint8_t* dst = SendBuffer(free_send_buffers_.back());
       RDMARPC_ASSIGN_OR_RETURN(
           size_t written,
-          EncodeFrame(type, 0, head, inline_parts,
-                      std::span<uint8_t>(dst, config_.peer_receive_bytes)));
+          EncodeFrameSized(
+              type, 0, head, head_bytes, message, inline_parts,
+              std::span<uint8_t>(dst, config_.peer_receive_bytes)));
       pumped = PostSendBufferLocked(written, std::move(sent), false);
     } else {
       ++counters_.waits_for_credit;
       PendingFrame frame;
       frame.sent = std::move(sent);
       frame.bytes.resize(total);
-      RDMARPC_ASSIGN_OR_RETURN(size_t written,
-                               EncodeFrame(type, 0, head, inline_parts,
-                                           std::span<uint8_t>(frame.bytes)));
+      RDMARPC_ASSIGN_OR_RETURN(
+          size_t written,
+          EncodeFrameSized(type, 0, head, head_bytes, message, inline_parts,
+                           std::span<uint8_t>(frame.bytes)));
       frame.bytes.resize(written);
       frames_.push_back(std::move(frame));
       pumped = PumpLocked();
@@ -625,6 +628,8 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
                       std::memory_order_relaxed);
     uint32_t index = static_cast<uint32_t>(wc.wr_id & ~kReceiveBit);
     Status handled;
+    bool framed = false;
+    uint32_t credits = 0;
     if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
       handled = handler_->OnWriteLanded(ntohl(wc.imm_data));
     } else {
@@ -634,15 +639,29 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
       if (!frame.ok()) {
         handled = frame.status();
       } else {
-        Status returned;
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          ++counters_.frames_received;
-          returned = window_.OnPeerReturned(frame->credits);
+        // The receives it returns count below, with the re-post: one lock
+        // per frame. A frame that the handler sends meanwhile waits for
+        // them only when the peer's receives ran out, and then goes with
+        // the re-post's pump.
+        framed = true;
+        credits = frame->credits;
+        if (frame->type != FrameType::kCredit) {
+          handled = handler_->OnFrame(*frame);
         }
-        handled = returned.ok() && frame->type != FrameType::kCredit
-                      ? handler_->OnFrame(*frame)
-                      : returned;
+      }
+    }
+    Status s;
+    if (handled.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed_.load()) return;
+      if (framed) {
+        ++counters_.frames_received;
+        handled = window_.OnPeerReturned(credits);
+      }
+      if (handled.ok()) {
+        s = PostReceive(index);
+        if (s.ok()) s = window_.OnReceiveReposted();
+        if (s.ok()) s = PumpLocked();
       }
     }
     if (!handled.ok()) {
@@ -652,14 +671,6 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
                 handled.message())),
             "protocol error");
       return;
-    }
-    Status s;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (closed_.load()) return;
-      s = PostReceive(index);
-      if (s.ok()) s = window_.OnReceiveReposted();
-      if (s.ok()) s = PumpLocked();
     }
     if (!s.ok()) Close(s, "post error");
     return;

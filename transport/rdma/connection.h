@@ -148,15 +148,18 @@ class Connection : public std::enable_shared_from_this<Connection>,
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
 
-  // Queues a frame (its bytes are copied now). UNAVAILABLE once the
+  // Queues a frame (its bytes are copied now; `message`, if any, is
+  // serialized now, before `inline_parts`). UNAVAILABLE once the
   // connection is closed; RESOURCE_EXHAUSTED if it does not fit the peer's
   // receive buffers. `sent`, if given, runs once on the polling thread: OK
   // when the frame reached the peer's receive (RC acknowledged), else the
-  // error that closed the connection; never when this returns an error.
+  // error that closed the connection; never when this returns an error,
+  // and then `sent` is left as it was (taken only on success, so the
+  // caller can still run it without a copy).
   [[nodiscard]] Status SendFrame(
       FrameType type, const google::protobuf::MessageLite* head,
       std::span<const std::span<const uint8_t>> inline_parts = {},
-      std::function<void(Status)> sent = nullptr);
+      std::function<void(Status)>&& sent = nullptr, MessagePart message = {});
 
   // Queues a write. `done` runs once on the polling thread when every piece
   // completed (OK) or the connection failed (the error); the memory at

@@ -33,11 +33,13 @@ StatusOr<OutgoingPayload> PlanPayload(
   RDMARPC_ASSIGN_OR_RETURN(internal::OutgoingPlan plan,
                            internal::PlanOutgoing(msg, tensors));
   OutgoingPayload out;
-  out.message = std::make_unique<std::string>();
-  if (!msg.SerializeToString(out.message.get())) {
-    return absl::InvalidArgumentError(
-        "message cannot be serialized (over protobuf's 2 GiB limit without "
-        "its tensors?)");
+  // Its one size computation: the frame serializes it with cached sizes.
+  const size_t message_bytes = msg.ByteSizeLong();
+  if (message_bytes > static_cast<size_t>(INT_MAX)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "message of ", message_bytes,
+        " bytes cannot be serialized (over protobuf's 2 GiB limit without "
+        "its tensors?)"));
   }
   out.tensor_bytes = plan.total_bytes;
   size_t head_reserve = (plan.tensors.size() + 1) * kPartHeadBytes;
@@ -71,7 +73,18 @@ StatusOr<OutgoingPayload> PlanPayload(
     return absl::OkStatus();
   };
   const MoverChoice host = ChooseMover(Device::Host(), gpu);
-  add({out.message->data(), out.message->size(), host.mover}, true, false);
+  if (message_bytes <= room) {
+    // Part 0 in the frame, serialized there (no copy of it here).
+    room -= message_bytes;
+    parts->Add()->set_size(message_bytes);
+    out.message_part = {&msg, message_bytes};
+  } else {
+    out.message = std::make_unique<std::string>();
+    out.message->resize(message_bytes);
+    msg.SerializeWithCachedSizesToArray(
+        reinterpret_cast<uint8_t*>(out.message->data()));
+    add({out.message->data(), out.message->size(), host.mover}, false, false);
+  }
   for (size_t i = 0; i < plan.tensors.size(); ++i) {
     const internal::OutgoingTensor& t = plan.tensors[i];
     if (!t.out_of_band) {

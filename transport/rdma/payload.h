@@ -40,11 +40,15 @@
 namespace rdmarpc::rdma {
 
 struct OutgoingPayload {
-  // Part 0, the serialized message; on the heap so that the spans below
-  // survive moving the payload.
+  // Part 0, the message, when it travels in the frame: serialized straight
+  // into it by SendFrame (pass it along with inline_parts). The message
+  // given to PlanPayload must then stay unchanged until that send.
+  MessagePart message_part;
+  // Part 0 serialized, when it travels out of band; on the heap so that
+  // the write's source survives moving the payload.
   std::unique_ptr<std::string> message;
-  // Bytes of the parts that travel in the frame, in part order. They point
-  // into `message`, into bound buffers or into `staged`.
+  // Bytes of the other parts that travel in the frame, in part order. They
+  // point into bound buffers or into `staged`.
   absl::InlinedVector<std::span<const uint8_t>, 4> inline_parts;
   // Parts that travel by RDMA WRITE, in part order.
   std::vector<PartSource> out_of_band;

@@ -1,9 +1,11 @@
 #include "transport/rdma/server_calls.h"
 
 #include <algorithm>
+#include <cassert>
 #include <chrono>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "runtime/coarse_clock.h"
 #include "runtime/completion.h"
@@ -76,6 +78,7 @@ void ServerEndpoint::Attach(std::shared_ptr<Connection> conn) {
   std::lock_guard<std::mutex> lock(mu_);
   conn_ = std::move(conn);
   cache_ = RegistrationCache::Create(conn_->pd());
+  attached_ = conn_;
 }
 
 std::shared_ptr<Connection> ServerEndpoint::connection() {
@@ -168,7 +171,10 @@ void ServerEndpoint::FailLocked(uint64_t call_id, const Status& status,
   if (it != calls_.end() && it->second->state && it->second->state->logged) {
     sent = SettleWhenSent(it->second->state, status, nullptr);
   }
-  if (!conn_->SendFrame(FrameType::kResponse, &*head, {}, sent).ok() && sent) {
+  // On an error SendFrame leaves `sent` as it was.
+  if (!conn_->SendFrame(FrameType::kResponse, &*head, {}, std::move(sent))
+           .ok() &&
+      sent) {
     sent(absl::UnavailableError("RDMA connection closed"));
   }
   ForgetLocked(call_id);
@@ -187,8 +193,9 @@ std::function<void(Status)> ServerEndpoint::SettleWhenSent(
 }
 
 Status ServerEndpoint::OnRequest(const FrameView& frame) {
-  Status s = AdmitRequest(frame);
-  ExecuteReady();
+  ReadyCalls ready;
+  Status s = AdmitRequest(frame, &ready);
+  Execute(ready);
   return s;
 }
 
@@ -204,17 +211,23 @@ void ServerEndpoint::ExecuteReady() {
     std::lock_guard<std::mutex> lock(mu_);
     ready.swap(ready_);
   }
+  Execute(ready);
+}
+
+void ServerEndpoint::Execute(ReadyCalls& ready) {
   for (ReadyCall& c : ready) {
     dispatcher_->Execute(std::move(c.state), std::move(c.request),
                          std::move(c.done));
   }
 }
 
-Status ServerEndpoint::AdmitRequest(const FrameView& frame) {
+Status ServerEndpoint::AdmitRequest(const FrameView& frame, ReadyCalls* ready) {
   ScratchHead<RequestHead> scratch;
   RDMARPC_RETURN_IF_ERROR(ParseRequest(frame, limits_, &*scratch));
   const RequestHead& head = *scratch;
   std::lock_guard<std::mutex> lock(mu_);
+  // Declared after the lock, so it runs before the lock is released.
+  absl::Cleanup take_ready = [&] { ready->swap(ready_); };
   if (closed_) return absl::OkStatus();
   uint64_t call_id = head.call_id();
   if (calls_.contains(call_id)) {
@@ -414,18 +427,18 @@ void ServerEndpoint::DispatchLocked(uint64_t call_id) {
       /*consumer=*/nullptr);
   if (!accepted.ok()) return FailLocked(call_id, accepted.status());
   r.stage = ServerRecord::Stage::kRunning;
-  {
-    std::lock_guard<std::mutex> shared_lock(shared_->mu);
-    ++shared_->handlers_running;
-  }
+  shared_->handlers_running.fetch_add(1);
   ready_.push_back(
       {r.state, r.request,
        [self = shared_from_this(), call_id, state = r.state](
            Status s, std::unique_ptr<Message> response) {
          self->Respond(call_id, state, std::move(s), std::move(response));
-         std::lock_guard<std::mutex> shared_lock(self->shared_->mu);
-         --self->shared_->handlers_running;
-         self->shared_->cv.notify_all();
+         if (self->shared_->handlers_running.fetch_sub(1) == 1) {
+           // A shutdown waits for 0 under mu: notified under it too, so it
+           // cannot miss this between its look and its wait.
+           std::lock_guard<std::mutex> shared_lock(self->shared_->mu);
+           self->shared_->cv.notify_all();
+         }
        }});
 }
 
@@ -463,16 +476,21 @@ ServerRecord* ServerEndpoint::RespondableLocked(
 void ServerEndpoint::Respond(
     uint64_t call_id, const std::shared_ptr<internal::ServerCallState>& state,
     Status status, std::unique_ptr<Message> response) {
+  // The response is planned without mu_; RegisterAndSend decides under it
+  // whether the call still takes it.
   std::shared_ptr<Connection> conn;
-  std::shared_ptr<RegistrationCache> cache;
-  {
+  if (status.ok()) conn = attached_.lock();
+  if (conn == nullptr) {
+    // A failed handler, or a connection gone: the call is settled now.
     std::lock_guard<std::mutex> lock(mu_);
-    if (RespondableLocked(call_id, state, &status, &response) == nullptr) {
-      return;
-    }
-    conn = conn_;
-    cache = cache_;
+    ServerRecord* open = RespondableLocked(call_id, state, &status, &response);
+    // An open connection's conn_ keeps attached_ alive.
+    assert(open == nullptr);
+    (void)open;
+    return;
   }
+  // Never replaced after Attach (a close only clears it).
+  std::shared_ptr<RegistrationCache> cache = cache_;
   ScratchHead<ResponseHead> head;
   head->set_call_id(call_id);
   AddResponseMetadata(*state, &*head);
@@ -567,8 +585,10 @@ void ServerEndpoint::RegisterAndSend(
     r.stage = ServerRecord::Stage::kAwaitResponseGrant;
     return;
   }
+  // On an error SendFrame leaves `sent` as it was.
   Status queued =
-      conn_->SendFrame(FrameType::kResponse, &head, r.out.inline_parts, sent);
+      conn_->SendFrame(FrameType::kResponse, &head, r.out.inline_parts,
+                       std::move(sent), r.out.message_part);
   if (!queued.ok()) {
     if (sent) {
       sent(queued);

@@ -42,7 +42,9 @@ namespace rdmarpc::rdma {
 struct ServerShared {
   std::mutex mu;
   std::condition_variable cv;
-  int handlers_running = 0;
+  // Counted without mu (a call's start and end take no lock); the last
+  // handler to end notifies cv under mu, for the shutdown that waits for 0.
+  std::atomic<int> handlers_running{0};
   int endpoints_open = 0;
   // Handlers still running for connections that closed (their clients
   // re-send over gRPC): cancelled at the shutdown deadline like the rest.
@@ -83,13 +85,21 @@ class ServerEndpoint final
                std::unique_ptr<google::protobuf::Message> response);
 
  private:
+  struct ReadyCall {
+    std::shared_ptr<internal::ServerCallState> state;
+    std::shared_ptr<google::protobuf::Message> request;
+    internal::Dispatcher::Completion done;
+  };
+  using ReadyCalls = absl::InlinedVector<ReadyCall, 1>;
   // OnRequest and OnWriteLanded hand the calls that became ready to the
   // dispatcher once mu_ is released: an inline handler responds at once,
-  // which takes mu_.
+  // which takes mu_. AdmitRequest moves them to `*ready` before it
+  // releases mu_ (one lock per request).
   Status OnRequest(const FrameView& frame);
-  Status AdmitRequest(const FrameView& frame);
+  Status AdmitRequest(const FrameView& frame, ReadyCalls* ready);
   Status LandWrite(uint32_t immediate);
   void ExecuteReady();
+  void Execute(ReadyCalls& ready);
   // Grants r.in to the client. Requires mu_.
   void GrantLocked(uint64_t call_id);
   // The call's record if it is still `state`'s and at `stage` (a
@@ -153,7 +163,11 @@ class ServerEndpoint final
 
   std::mutex mu_;
   std::shared_ptr<Connection> conn_;
+  // Set by Attach, then only cleared (never replaced).
   std::shared_ptr<RegistrationCache> cache_;
+  // Set once by Attach, before the connection polls: Respond reads it
+  // without mu_ (RegisterAndSend then decides under mu_).
+  std::weak_ptr<Connection> attached_;
   bool closed_ = false;
   // Hashed: a call costs no tree node (heap allocation).
   absl::flat_hash_map<uint64_t, std::unique_ptr<ServerRecord>> calls_;
@@ -161,14 +175,8 @@ class ServerEndpoint final
   // run with an error when the connection closes.
   std::vector<std::function<void(Status)>> lost_sends_;
   GrantTable grants_;
-  struct ReadyCall {
-    std::shared_ptr<internal::ServerCallState> state;
-    std::shared_ptr<google::protobuf::Message> request;
-    internal::Dispatcher::Completion done;
-  };
-  // For ExecuteReady. Inline: a call at a time is the common case, and
-  // swapping it out must not cost an allocation per call.
-  using ReadyCalls = absl::InlinedVector<ReadyCall, 1>;
+  // Calls ready to run (Execute). Inline: a call at a time is the common
+  // case, and swapping it out must not cost an allocation per call.
   ReadyCalls ready_;
 };
 

@@ -111,9 +111,18 @@ Status CheckParts(
 StatusOr<size_t> EncodeFrame(
     FrameType type, uint16_t credits, const google::protobuf::MessageLite* head,
     std::span<const std::span<const uint8_t>> inline_parts,
+    std::span<uint8_t> out, MessagePart message) {
+  return EncodeFrameSized(type, credits, head,
+                          head == nullptr ? 0 : head->ByteSizeLong(), message,
+                          inline_parts, out);
+}
+
+StatusOr<size_t> EncodeFrameSized(
+    FrameType type, uint16_t credits, const google::protobuf::MessageLite* head,
+    size_t head_bytes, MessagePart message,
+    std::span<const std::span<const uint8_t>> inline_parts,
     std::span<uint8_t> out) {
-  size_t head_bytes = head == nullptr ? 0 : head->ByteSizeLong();
-  size_t inline_bytes = 0;
+  size_t inline_bytes = message.msg == nullptr ? 0 : message.bytes;
   for (const auto& part : inline_parts) inline_bytes += part.size();
   size_t total = FrameBytes(head_bytes, inline_bytes);
   if (total > out.size() || head_bytes > std::numeric_limits<uint32_t>::max() ||
@@ -133,6 +142,10 @@ StatusOr<size_t> EncodeFrame(
   if (head != nullptr) {
     head->SerializeWithCachedSizesToArray(p);
     p += head_bytes;
+  }
+  if (message.msg != nullptr) {
+    message.msg->SerializeWithCachedSizesToArray(p);
+    p += message.bytes;
   }
   for (const auto& part : inline_parts) {
     if (!part.empty()) std::memcpy(p, part.data(), part.size());

@@ -80,11 +80,29 @@ constexpr size_t FrameBytes(size_t head_bytes, size_t inline_bytes) {
   return kPreambleBytes + head_bytes + inline_bytes;
 }
 
+// A call's message serialized straight into its frame, as the first
+// inline part: no copy of it on the heap first. `bytes` is what
+// msg->ByteSizeLong() returned, and `msg` has not changed since, so its
+// cached sizes hold. The message must outlive the SendFrame or
+// EncodeFrame that takes it (they serialize before they return).
+struct MessagePart {
+  const google::protobuf::MessageLite* msg = nullptr;  // null: none
+  size_t bytes = 0;
+};
+
 // Writes a frame into `out`: preamble, `head` (null for kCredit), then
-// `inline_parts` in order. Returns the bytes written; RESOURCE_EXHAUSTED if
-// it does not fit (the caller then sends parts out of band).
+// `message` (if any) and `inline_parts` in order. Returns the bytes
+// written; RESOURCE_EXHAUSTED if it does not fit (the caller then sends
+// parts out of band).
 [[nodiscard]] StatusOr<size_t> EncodeFrame(
     FrameType type, uint16_t credits, const google::protobuf::MessageLite* head,
+    std::span<const std::span<const uint8_t>> inline_parts,
+    std::span<uint8_t> out, MessagePart message = {});
+// The same with the head's size computed already (`head_bytes`, from its
+// ByteSizeLong: the head is serialized with its cached sizes).
+[[nodiscard]] StatusOr<size_t> EncodeFrameSized(
+    FrameType type, uint16_t credits, const google::protobuf::MessageLite* head,
+    size_t head_bytes, MessagePart message,
     std::span<const std::span<const uint8_t>> inline_parts,
     std::span<uint8_t> out);
 

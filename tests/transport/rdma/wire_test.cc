@@ -143,6 +143,35 @@ TEST(WireTest, OtherFramesRoundTrip) {
   ExpectMalformed(ParsePing(*x).status(), "expected a ping or pong");
 }
 
+TEST(WireTest, MessagePartIsSerializedIntoTheFrameBeforeTheOtherParts) {
+  // Any message will do as the call's: a grant stands in for it.
+  Grant message;
+  message.set_call_id(7);
+  message.set_grant_id(9);
+  const std::string serialized = message.SerializeAsString();
+  RequestHead head = Request({{false, serialized.size()}, {false, 3}});
+  const std::string tensor = "abc";
+  std::span<const uint8_t> span(reinterpret_cast<const uint8_t*>(tensor.data()),
+                                tensor.size());
+  std::vector<uint8_t> out(1 << 12);
+  auto n = EncodeFrame(FrameType::kRequest, 5, &head, {&span, 1}, out,
+                       {&message, message.ByteSizeLong()});
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(*n, FrameBytes(head.ByteSizeLong(), serialized.size() + 3));
+  auto frame = DecodeFrame(
+      std::string_view(reinterpret_cast<const char*>(out.data()), *n));
+  ASSERT_TRUE(frame.ok()) << frame.status();
+  EXPECT_EQ(frame->inline_bytes, serialized + tensor);
+  ScratchHead<RequestHead> parsed;
+  EXPECT_TRUE(ParseRequest(*frame, WireLimits{}, &*parsed).ok());
+
+  // The message counts toward the room: too big, and nothing is written.
+  std::vector<uint8_t> small(FrameBytes(head.ByteSizeLong(), 3));
+  auto full = EncodeFrame(FrameType::kRequest, 0, &head, {&span, 1}, small,
+                          {&message, message.ByteSizeLong()});
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
+}
+
 TEST(WireTest, FrameThatDoesNotFitIsResourceExhausted) {
   RequestHead head = Request({{false, 100}});
   std::string part(100, 'x');
