@@ -247,7 +247,8 @@ void ClientEndpoint::Start(internal::ClientCall call) {
     std::lock_guard<std::mutex> lock(mu_);
     bool cancelled = early_cancels_.erase(call_id) > 0;
     calls_.emplace(call_id, std::move(record));
-    conn->calls_waiting.fetch_add(1);
+    // Through conn_, as FinishLocked takes it back (null once closed).
+    if (conn_) conn_->calls_waiting.fetch_add(1);
     if (cancelled) {
       FinishLocked(call_id, absl::CancelledError("call cancelled"), &outcomes);
     } else {

@@ -225,13 +225,14 @@ Status Connection::SendFrame(
     } else {
       ++counters_.waits_for_credit;
       PendingFrame frame;
-      frame.sent = std::move(sent);
       frame.bytes.resize(total);
       RDMARPC_ASSIGN_OR_RETURN(
           size_t written,
           EncodeFrameSized(type, 0, head, head_bytes, message, inline_parts,
                            std::span<uint8_t>(frame.bytes)));
       frame.bytes.resize(written);
+      // Taken only now: on an error the caller still has it.
+      frame.sent = std::move(sent);
       frames_.push_back(std::move(frame));
       pumped = PumpLocked();
     }
@@ -642,10 +643,16 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
         // The receives it returns count below, with the re-post: one lock
         // per frame. A frame that the handler sends meanwhile waits for
         // them only when the peer's receives ran out, and then goes with
-        // the re-post's pump.
+        // the re-post's pump. More than the peer could ever owe is refused
+        // before its frame is acted on; the exact check (more than it owes
+        // now) comes with the count.
         framed = true;
         credits = frame->credits;
-        if (frame->type != FrameType::kCredit) {
+        if (credits > config_.peer_receives) {
+          handled = absl::InvalidArgumentError(absl::StrCat(
+              "a frame returns ", credits, " receive credits; at most ",
+              config_.peer_receives, " were ever owed"));
+        } else if (frame->type != FrameType::kCredit) {
           handled = handler_->OnFrame(*frame);
         }
       }

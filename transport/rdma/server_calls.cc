@@ -1,7 +1,6 @@
 #include "transport/rdma/server_calls.h"
 
 #include <algorithm>
-#include <cassert>
 #include <chrono>
 #include <utility>
 
@@ -479,15 +478,15 @@ void ServerEndpoint::Respond(
   // The response is planned without mu_; RegisterAndSend decides under it
   // whether the call still takes it.
   std::shared_ptr<Connection> conn;
-  if (status.ok()) conn = attached_.lock();
+  if (status.ok() && !state->cancelled.load()) conn = attached_.lock();
   if (conn == nullptr) {
-    // A failed handler, or a connection gone: the call is settled now.
+    // A failed or cancelled handler, or a connection gone: the call is
+    // settled now, with no response planned.
     std::lock_guard<std::mutex> lock(mu_);
-    ServerRecord* open = RespondableLocked(call_id, state, &status, &response);
-    // An open connection's conn_ keeps attached_ alive.
-    assert(open == nullptr);
-    (void)open;
-    return;
+    if (RespondableLocked(call_id, state, &status, &response) == nullptr) {
+      return;
+    }
+    conn = conn_;  // not reached: an open connection's conn_ keeps it
   }
   // Never replaced after Attach (a close only clears it).
   std::shared_ptr<RegistrationCache> cache = cache_;

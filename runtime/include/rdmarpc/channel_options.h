@@ -156,7 +156,9 @@ struct ChannelTransportStats {
   // One line per field, for logs and the example's --verbose.
   std::string ToString() const;
   // The RDMA connection's frames, writes, credit-only frames, and how
-  // often a frame or write had to wait for the peer's credits.
+  // often a frame or write had to wait for the peer's credits. A received
+  // frame counts once it was handled and its receive re-posted, so a call
+  // that completed may not count its response yet.
   uint64_t rdma_frames_sent = 0;
   uint64_t rdma_frames_received = 0;
   uint64_t rdma_writes_posted = 0;
