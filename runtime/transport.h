@@ -99,7 +99,8 @@ struct FastPathCounters {
   uint64_t landing_windows = 0;
   // Times the channel's RDMA watcher (deadlines, progress) woke up.
   uint64_t watch_wakeups = 0;
-  // Times a blocked caller found completions polling the queue itself.
+  // Times a blocked caller found completions polling its connection's
+  // (shared) completion queue itself.
   uint64_t caller_polls = 0;
   // Callbacks run inline that held the completion thread for
   // kCompletionThreadStall or more.

@@ -1,7 +1,6 @@
 #include "transport/rdma/connection.h"
 
 #include <arpa/inet.h>
-#include <fcntl.h>
 #include <linux/capability.h>
 #include <sys/resource.h>
 
@@ -25,12 +24,15 @@
 namespace rdmarpc::rdma {
 namespace {
 
-// Receive work requests carry this bit plus the buffer index; send work
-// requests carry a sequence number below it, shifted over the index of the
-// slot they take in Connection::posted_.
+// Work request ids carry the connection's member key (completion_group.h)
+// and, in CompletionGroup::kLocalMask: for a receive the buffer index (and
+// kReceiveBit, above the key), for a send a sequence number shifted over
+// the index of the slot it takes in Connection::posted_.
 constexpr uint64_t kReceiveBit = uint64_t{1} << 63;
-constexpr int kPostedSlotBits = 20;
+constexpr int kPostedSlotBits = 16;
 constexpr uint64_t kPostedSlotMask = (uint64_t{1} << kPostedSlotBits) - 1;
+constexpr uint64_t kSequenceMask =
+    CompletionGroup::kLocalMask >> kPostedSlotBits;
 
 // The locked-memory limit in bytes, or nullopt when the process may lock
 // any amount (CAP_IPC_LOCK, an unlimited limit).
@@ -140,13 +142,15 @@ StatusOr<std::shared_ptr<Connection>> Connection::Create(
         absl::StrCat("send_queue_slots ", config.send_queue_slots, " exceeds ",
                      kPostedSlotMask));
   }
-  int flags = fcntl(resources.completions->fd, F_GETFL);
-  if (flags < 0 ||
-      fcntl(resources.completions->fd, F_SETFL, flags | O_NONBLOCK) < 0) {
-    return VerbsError("making the completion channel non-blocking", errno);
+  if (!resources.group) {
+    return absl::FailedPreconditionError(
+        "the connection's resources have no completion group");
   }
   std::shared_ptr<Connection> conn(
       new Connection(std::move(resources), config, std::move(handler)));
+  // Before the first receive: the group's poller may find its completion
+  // at once, before Engine::Add.
+  conn->res_.group.Install(conn.get());
   for (uint32_t i = 0; i < config.receives; ++i) {
     RDMARPC_RETURN_IF_ERROR(conn->PostReceive(i));
   }
@@ -172,6 +176,9 @@ Connection::Connection(ConnectionResources resources,
 }
 
 Connection::~Connection() {
+  // First: the group's poller must not hand a completion to a connection
+  // whose members are going.
+  res_.group.Uninstall();
   // Regions not handed aside by FinishClose (a connection never added).
   for (MemoryRegion& mr : arena_mrs_) mr.reset();
   ReleaseArenaPin(arena_pinned_);
@@ -184,7 +191,7 @@ Status Connection::PostReceive(uint32_t index) {
   sge.length = config_.receive_bytes;
   sge.lkey = res_.receive_mr->lkey;
   ibv_recv_wr wr{};
-  wr.wr_id = kReceiveBit | index;
+  wr.wr_id = kReceiveBit | res_.group.key_bits() | index;
   wr.sg_list = &sge;
   wr.num_sge = 1;
   ibv_recv_wr* bad = nullptr;
@@ -320,7 +327,8 @@ StatusOr<uint64_t> Connection::NextWrIdLocked() {
   if (free_posted_.empty()) {
     return absl::InternalError("no free slot for a send work request");
   }
-  return (next_wr_id_++ << kPostedSlotBits) | free_posted_.back();
+  return ((next_wr_id_++ & kSequenceMask) << kPostedSlotBits) |
+         res_.group.key_bits() | free_posted_.back();
 }
 
 Status Connection::TrackPostedLocked(uint64_t wr_id, int send_buffer,
@@ -537,22 +545,9 @@ Connection::Counters Connection::counters() const {
   return counters_;
 }
 
-Connection::PollResult Connection::TryPoll() {
-  if (polling_.exchange(true, std::memory_order_acquire)) {
-    return PollResult::kBusy;
-  }
-  bool found = !finished_.load(std::memory_order_relaxed) && PollHeld();
-  polling_.store(false, std::memory_order_release);
-  return found ? PollResult::kFound : PollResult::kIdle;
-}
-
 bool Connection::TakeForCaller() {
-  if (polling_.exchange(true, std::memory_order_acquire)) return false;
-  if (finished_.load(std::memory_order_relaxed)) {
-    polling_.store(false, std::memory_order_release);
-    return false;
-  }
-  return true;
+  if (finished_.load(std::memory_order_relaxed)) return false;
+  return res_.group.group()->TryTake();
 }
 
 bool Connection::PollTaken() {
@@ -560,43 +555,18 @@ bool Connection::PollTaken() {
   // for a call of its own meanwhile (an inline callback that tried would
   // wait for itself): it counts as a completion thread while it polls.
   internal::CompletionThreadScope scope;
-  if (!PollHeld()) return false;
+  if (res_.group.group()->PollHeld() == 0) return false;
   caller_polls_found_.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 
-void Connection::GiveBack() {
-  polling_.store(false, std::memory_order_release);
-}
+void Connection::GiveBack() { res_.group.group()->GiveBack(); }
 
-bool Connection::PollHeld() {
-  ibv_wc wcs[32];
-  int n = ibv_poll_cq(res_.cq.get(), 32, wcs);
-  if (n < 0) {
-    Fail("ibv_poll_cq failed");
-    return false;
-  }
+void Connection::OnCompletion(const ibv_wc& wc) {
   const Connection* outer = polling_here;
   polling_here = this;
-  for (int i = 0; i < n; ++i) HandleCompletion(wcs[i]);
+  HandleCompletion(wc);
   polling_here = outer;
-  return n > 0;
-}
-
-void Connection::Arm() {
-  if (!finished_.load(std::memory_order_relaxed)) {
-    ibv_req_notify_cq(res_.cq.get(), 0);
-  }
-}
-
-void Connection::ConsumeEvents() {
-  ibv_cq* cq = nullptr;
-  void* context = nullptr;
-  // One event per Arm(), and the engine arms once per sleep: one read
-  // suffices (epoll reports the fd again if more are queued).
-  if (ibv_get_cq_event(res_.completions.get(), &cq, &context) == 0) {
-    ibv_ack_cq_events(res_.cq.get(), 1);
-  }
 }
 
 void Connection::Fail(const std::string& what) {
@@ -627,7 +597,8 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
   if (wc.wr_id & kReceiveBit) {
     last_heard_.store(internal::CoarseSteadyNow().time_since_epoch().count(),
                       std::memory_order_relaxed);
-    uint32_t index = static_cast<uint32_t>(wc.wr_id & ~kReceiveBit);
+    uint32_t index =
+        static_cast<uint32_t>(wc.wr_id & CompletionGroup::kLocalMask);
     Status handled;
     bool framed = false;
     uint32_t credits = 0;
@@ -986,18 +957,17 @@ Status Connection::InjectQueuePairError() {
   return absl::OkStatus();
 }
 
-void Connection::FinishClose() {
-  if (finished_.load(std::memory_order_relaxed)) return;
-  // A waiting caller may be polling: take the queue from it for good.
-  while (polling_.exchange(true, std::memory_order_acquire)) {
-    internal::CpuRelax();
-  }
-  // What completed before the close still counts: a response that arrived
-  // must not be re-sent by the client or reported lost by the server.
-  for (int rounds = 0; rounds < 64 && PollHeld(); ++rounds) {
-  }
+bool Connection::FinishClose() {
+  if (finished_.load(std::memory_order_relaxed)) return true;
+  // A waiting caller may be polling the group: the engine comes back on
+  // its next pass. What completed before the close still counts: a
+  // response that arrived must not be re-sent by the client or reported
+  // lost by the server. (The group's other connections' completions are
+  // handled on the way.)
+  CompletionGroup* group = res_.group.group();
+  if (!group->TryTake()) return false;
+  group->DrainHeld();
   finished_.store(true, std::memory_order_relaxed);
-  polling_.store(false, std::memory_order_release);
   std::vector<std::function<void(Status)>> pending;
   Status why = CloseReason();
   {
@@ -1044,10 +1014,17 @@ void Connection::FinishClose() {
     for (auto& f : unposted_) pending.push_back(std::move(f));
     unposted_.clear();
   }
-  ConsumeEvents();
+  // The queue pair is gone: completions of it still in the group's queue
+  // go nowhere. They are polled out now (none comes after the queue pair
+  // is destroyed), so the entries this connection gives back when it
+  // leaves the group are free for the next one.
+  res_.group.Uninstall();
+  group->DrainHeld();
+  group->GiveBack();
   for (auto& f : pending) f(why);
   std::shared_ptr<Handler> handler = std::move(handler_);
   handler->OnClosed(why);
+  return true;
 }
 
 }  // namespace rdmarpc::rdma

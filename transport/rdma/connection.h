@@ -9,7 +9,7 @@
 // are free, so no post ever fails for lack of either.
 //
 //   auto conn = Connection::Create(std::move(resources), config, handler);
-//   Engine::Add(conn);             // completions start flowing
+//   Engine::Add(conn);             // its engine finishes its close
 //   conn->SendFrame(FrameType::kRequest, &head, inline_parts);
 //   conn->Write({.local = ..., .lkey = ..., .remote_addr = ...,
 //                .rkey = ..., .length = ..., .immediate = grant_id},
@@ -51,6 +51,7 @@
 #include "rdmarpc/status.h"
 #include "runtime/completion.h"
 #include "runtime/transport.h"
+#include "transport/rdma/completion_group.h"
 #include "transport/rdma/flow_control.h"
 #include "transport/rdma/landing_arena.h"
 #include "transport/rdma/verbs.h"
@@ -100,8 +101,10 @@ struct ConnectionResources {
   SharedEventChannel events;
   CmId id;
   ProtectionDomain pd;
-  CompletionChannel completions;
-  CompletionQueue cq;
+  // The completion queue the queue pair shares with the other connections
+  // of its engine on this device. Left after the queue pair is destroyed
+  // and before the id (the last member destroys the queue).
+  CompletionGroup::Membership group;
   MemoryRegion receive_mr;
   MemoryRegion send_mr;
   CmQueuePair qp;
@@ -138,8 +141,9 @@ class Connection : public std::enable_shared_from_this<Connection>,
     std::function<void()> on_piece;
   };
 
-  // Posts the receives. `resources.qp` must exist; the connection is not
-  // live until Engine::Add(it).
+  // Posts the receives. `resources.qp` must exist. Its completions are
+  // handled from now on, by whoever polls its group; Engine::Add(it) then
+  // makes its engine finish its close.
   static StatusOr<std::shared_ptr<Connection>> Create(
       ConnectionResources resources, const ConnectionConfig& config,
       std::shared_ptr<Handler> handler);
@@ -192,7 +196,10 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // Bytes a frame from the peer may take (this side's receive size).
   size_t receive_bytes() const { return config_.receive_bytes; }
   ibv_pd* pd() const { return res_.pd.get(); }
-  ibv_cq* cq() const { return res_.cq.get(); }
+  ibv_cq* cq() const { return res_.group.cq(); }
+  CompletionGroup* group() const { return res_.group.group(); }
+  // Which of the group's completions are this connection's.
+  uint32_t member_key() const { return res_.group.key(); }
   rdma_cm_id* cm_id() const { return res_.id.get(); }
   rdma_event_channel* cm_events() const { return res_.events.get(); }
   const ConnectionConfig& config() const { return config_; }
@@ -262,12 +269,9 @@ class Connection : public std::enable_shared_from_this<Connection>,
   using Counters = internal::FastPathCounters;
   Counters counters() const;
 
-  // Polls the CQ and handles what it finds, unless another thread is at it
-  // (kBusy). Any thread: the engine, or a caller waiting for its own call.
-  enum class PollResult { kIdle, kFound, kBusy };
-  PollResult TryPoll();
   // internal::CallerPoll: the thread that waits for its call polls the
-  // queue alone for its spin; the engine skips it meanwhile.
+  // connection's completion group alone for its spin (completing the
+  // group's other calls too); the engine skips it meanwhile.
   bool TakeForCaller() override;
   bool PollTaken() override;
   void GiveBack() override;
@@ -283,14 +287,11 @@ class Connection : public std::enable_shared_from_this<Connection>,
     engine_.store(engine, std::memory_order_release);
   }
 
-  // Engine use (engine thread only).
-  int completion_fd() const { return res_.completions->fd; }
-  // Requests a completion event for the next completion.
-  void Arm();
-  // Reads and acknowledges pending completion events.
-  void ConsumeEvents();
-  // Tears the queue pair down after Close() and runs the continuations.
-  void FinishClose();
+  // Engine use (engine thread only): tears the queue pair down after
+  // Close() and runs the continuations. False, having done nothing, while
+  // a caller holds the completion group (the engine tries again on its
+  // next pass rather than wait for it).
+  bool FinishClose();
 
  private:
   Connection(ConnectionResources resources, const ConnectionConfig& config,
@@ -322,8 +323,10 @@ class Connection : public std::enable_shared_from_this<Connection>,
     TensorBuffer window_block = {};
   };
 
-  // Polls with polling_ held; true if it found anything.
-  bool PollHeld();
+  friend class CompletionGroup;
+  // One completion of this connection's, handed over by the thread that
+  // holds its group.
+  void OnCompletion(const ibv_wc& wc);
   Status PostReceive(uint32_t index);
   // Posts what the window allows. Requires mu_; an error means the queue
   // pair is broken and the caller closes the connection.
@@ -384,9 +387,8 @@ class Connection : public std::enable_shared_from_this<Connection>,
   std::atomic<bool> broke_protocol_{false};
   std::atomic<std::chrono::steady_clock::rep> last_heard_{
       std::chrono::steady_clock::now().time_since_epoch().count()};
-  // Set by FinishClose, read by pollers: while polling_ is held.
+  // Set by FinishClose with the group held.
   std::atomic<bool> finished_{false};
-  std::atomic<bool> polling_{false};  // one thread polls the CQ at a time
   std::atomic<uint64_t> caller_polls_found_{0};
 
   mutable std::mutex mu_;

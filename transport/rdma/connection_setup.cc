@@ -78,7 +78,8 @@ StatusOr<ConnectData> DecodeConnectData(std::string_view bytes) {
 }
 
 StatusOr<ConnectionResources> BuildResources(SharedEventChannel events, CmId id,
-                                             ConnectionConfig* config) {
+                                             ConnectionConfig* config,
+                                             bool serves) {
   ConnectionResources r;
   r.events = std::move(events);
   r.id = std::move(id);
@@ -110,15 +111,9 @@ StatusOr<ConnectionResources> BuildResources(SharedEventChannel events, CmId id,
     }
   }
   RDMARPC_ASSIGN_OR_RETURN(r.pd, AllocatePd(device));
-  errno = 0;
-  r.completions.reset(ibv_create_comp_channel(device));
-  if (r.completions == nullptr) {
-    return VerbsError("ibv_create_comp_channel", errno != 0 ? errno : EIO);
-  }
-  int cq_entries = static_cast<int>(config->send_queue_slots +
-                                    kWindowWorkRequests + config->receives);
-  RDMARPC_ASSIGN_OR_RETURN(r.cq,
-                           CreateCq(device, cq_entries, r.completions.get()));
+  const uint32_t cq_entries =
+      config->send_queue_slots + kWindowWorkRequests + config->receives;
+  RDMARPC_ASSIGN_OR_RETURN(r.group, Engine::Join(device, serves, cq_entries));
   size_t receive_total = size_t{config->receives} * config->receive_bytes;
   size_t send_total =
       size_t{config->peer_receives} * config->peer_receive_bytes;
@@ -134,7 +129,7 @@ StatusOr<ConnectionResources> BuildResources(SharedEventChannel events, CmId id,
   caps.max_send_wr = config->send_queue_slots + kWindowWorkRequests;
   caps.max_recv_wr = config->receives;
   RDMARPC_ASSIGN_OR_RETURN(
-      r.qp, CreateRcQp(r.id.get(), r.pd.get(), r.cq.get(), caps));
+      r.qp, CreateRcQp(r.id.get(), r.pd.get(), r.group.cq(), caps));
   return r;
 }
 
@@ -175,7 +170,8 @@ StatusOr<std::shared_ptr<Connection>> ConnectToServer(
   rdma_cm_id* raw_id = id.get();
   RDMARPC_ASSIGN_OR_RETURN(
       ConnectionResources resources,
-      BuildResources(std::move(events), std::move(id), &config));
+      BuildResources(std::move(events), std::move(id), &config,
+                     /*serves=*/false));
   RDMARPC_ASSIGN_OR_RETURN(
       std::shared_ptr<Connection> conn,
       Connection::Create(std::move(resources), config, std::move(handler)));

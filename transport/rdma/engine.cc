@@ -24,7 +24,7 @@ namespace rdmarpc::rdma {
 namespace {
 
 // epoll data: 0 is the wake eventfd, a pointer with the low bit set a
-// device's async event fd, any other pointer a Connection.
+// device's async event fd, any other pointer a CompletionGroup.
 constexpr uint64_t kDeviceTag = 1;
 
 // How often a busy engine looks at the devices' asynchronous events.
@@ -79,7 +79,9 @@ Started& Engines() {
 
 }  // namespace
 
-Status Engine::Add(std::shared_ptr<Connection> conn) {
+StatusOr<CompletionGroup::Membership> Engine::Join(ibv_context* device,
+                                                   bool serves,
+                                                   uint32_t entries) {
   Started& started = Engines();
   Engine* engine = nullptr;
   {
@@ -106,12 +108,55 @@ Status Engine::Add(std::shared_ptr<Connection> conn) {
       }
       // Else the engines that did start take it.
     }
-    // Counted at once, so that the next Add sees it.
+    // Counted at once, so that the next Join sees it; the membership's
+    // end takes it back.
     engine->connections_.fetch_add(1);
   }
-  Status added = engine->AddHere(std::move(conn));
-  if (!added.ok()) engine->connections_.fetch_sub(1);
-  return added;
+  auto joined = engine->JoinHere(device, serves, entries);
+  if (!joined.ok()) engine->connections_.fetch_sub(1);
+  return joined;
+}
+
+StatusOr<CompletionGroup::Membership> Engine::JoinHere(ibv_context* device,
+                                                       bool serves,
+                                                       uint32_t entries) {
+  CompletionGroup::Membership member;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = open_groups_.begin(); it != open_groups_.end();) {
+    CompletionGroup* group = it->get();
+    if (group->closed()) {
+      it = open_groups_.erase(it);
+      continue;
+    }
+    if (group->device() == device && group->serves() == serves &&
+        group->TryJoin(entries, &member)) {
+      return member;
+    }
+    ++it;
+  }
+  RDMARPC_ASSIGN_OR_RETURN(
+      std::shared_ptr<CompletionGroup> group,
+      CompletionGroup::Create(this, device, serves, static_cast<int>(entries),
+                              epoll_fd_.get(), &connections_));
+  if (!group->TryJoin(entries, &member)) {
+    return absl::InternalError("a new completion group took no member");
+  }
+  open_groups_.push_back(group);
+  // Polled from now on: the queue pair's first completions may come
+  // before its connection is added.
+  added_groups_.push_back(std::move(group));
+  added_pending_.store(true, std::memory_order_release);
+  Wake();
+  return member;
+}
+
+Status Engine::Add(std::shared_ptr<Connection> conn) {
+  CompletionGroup* group = conn->group();
+  if (group == nullptr) {
+    return absl::FailedPreconditionError(
+        "the connection joined no completion group");
+  }
+  return group->engine()->AddHere(std::move(conn));
 }
 
 void Engine::SetPollersForTesting(int pollers) {
@@ -138,13 +183,6 @@ Engine::Engine()
 }
 
 Status Engine::AddHere(std::shared_ptr<Connection> conn) {
-  epoll_event ev{};
-  ev.events = EPOLLIN;
-  ev.data.ptr = conn.get();
-  if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, conn->completion_fd(), &ev) !=
-      0) {
-    return VerbsError("watching a completion channel (epoll_ctl)", errno);
-  }
   conn->set_engine(this);
   {
     DeviceWatch& devices = Devices();
@@ -233,7 +271,10 @@ Engine::AsyncEventHit Engine::MatchLocked(ibv_context* device,
         trigger = "QP fatal event";
         break;
       case IBV_EVENT_CQ_ERR:
-        if (c->cq() == event.element.cq) hit.push_back(c);
+        if (c->cq() == event.element.cq) {
+          c->group()->MarkBroken();
+          hit.push_back(c);
+        }
         trigger = "CQ error event";
         break;
       case IBV_EVENT_PORT_ERR:
@@ -423,23 +464,36 @@ void Engine::Loop() {
       std::lock_guard<std::mutex> lock(mu_);
       for (auto& c : added_) conns_.push_back(std::move(c));
       added_.clear();
+      for (auto& g : added_groups_) groups_.push_back(std::move(g));
+      added_groups_.clear();
     }
     bool progress = false;
-    for (size_t i = 0; i < conns_.size();) {
-      Connection* c = conns_[i].get();
+    for (size_t i = 0; i < groups_.size();) {
+      CompletionGroup* group = groups_[i].get();
       // kBusy: a caller polls it for its own call; the engine must not
       // sleep on a queue it has not looked at since arming it.
-      progress |= c->TryPoll() != Connection::PollResult::kIdle;
+      progress |= group->TryPoll() != CompletionGroup::PollResult::kIdle;
       if (!Drain()) return;
+      if (group->released()) {
+        // Its channel left epoll before this: no later wait names it.
+        groups_[i] = std::move(groups_.back());
+        groups_.pop_back();
+        continue;
+      }
+      ++i;
+    }
+    for (size_t i = 0; i < conns_.size();) {
+      Connection* c = conns_[i].get();
       if (c->closed()) {
         // First: destroying the last id on a removed device closes the
         // device, and its async fd with it (FinishClose or the last
         // reference may do that).
         ReleaseDevices();
-        (void)epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, c->completion_fd(),
-                        nullptr);  // an error: the fd is gone already
-        c->FinishClose();
-        connections_.fetch_sub(1);
+        if (!c->FinishClose()) {  // a caller holds its group
+          progress = true;
+          ++i;
+          continue;
+        }
         conns_[i] = std::move(conns_.back());
         conns_.pop_back();
         if (!Drain()) return;
@@ -484,9 +538,10 @@ void Engine::Loop() {
       last_progress_ = now;
       continue;
     }
-    for (auto& c : conns_) c->Arm();
-    for (size_t i = 0; i < conns_.size(); ++i) {
-      progress |= conns_[i]->TryPoll() != Connection::PollResult::kIdle;
+    // A group a caller holds was not armed: no sleep on it.
+    for (auto& g : groups_) progress |= !g->Arm();
+    for (size_t i = 0; i < groups_.size(); ++i) {
+      progress |= groups_[i]->TryPoll() != CompletionGroup::PollResult::kIdle;
       if (!Drain()) return;
     }
     if (progress) continue;
@@ -533,7 +588,7 @@ void Engine::HandleEpoll(int timeout_ms) {
     } else if (data & kDeviceTag) {
       ReadAsyncEvents(reinterpret_cast<ibv_context*>(data & ~kDeviceTag));
     } else {
-      static_cast<Connection*>(events[i].data.ptr)->ConsumeEvents();
+      static_cast<CompletionGroup*>(events[i].data.ptr)->ConsumeEvents();
     }
   }
 }

@@ -1,7 +1,9 @@
 // The completion engines: threads that make progress on the process's RDMA
 // connections, each engine on the connections it was given.
 //
-// An engine busy-polls its connections' completion queues for the spin
+// An engine's connections on a device share completion queues, about 40
+// to a queue, client and server connections apart (completion_group.h).
+// It busy-polls them for the spin
 // period (twice the process's recent round trip, 50 us to 2 ms, or
 // RDMARPC_RDMA_SPIN_US; see runtime/spin.h) after the last completion it
 // found, which keeps a stream of calls at the device's latency without a
@@ -10,18 +12,21 @@
 // is timed with the CPU's cycle counter and takes no lock: a spinning
 // engine makes no system call but a look at epoll every 10 ms.
 //
-//   std::shared_ptr<Connection> conn = ...;
+//   // Setup (connection_setup.cc): the queue pair's completion queue.
+//   RDMARPC_ASSIGN_OR_RETURN(resources.group,
+//                            Engine::Join(id->verbs, serves, entries));
+//   ...
 //   RDMARPC_RETURN_IF_ERROR(Engine::Add(conn));  // polled until it closes
 //
 // The process has RDMARPC_RDMA_POLLERS engines (default 1, at most
-// kMaxPollers), started as connections need them: a new connection goes to
+// kMaxPollers), started as connections need them: a new connection joins
 // the one with the fewest, and stays there. Connections of different
 // engines make progress in parallel (a client and a server in one process
 // each get one); those of one engine share its thread.
 //
-// A caller blocked in Channel::Call polls its connection's queue itself
-// while it spins (Connection::PollForCaller), so its response completes on
-// its own thread; one thread polls a queue at a time, and the engine does
+// A caller blocked in Channel::Call polls its connection's group itself
+// while it spins (Connection::TakeForCaller), so its response completes on
+// its own thread; one thread polls a group at a time, and the engine does
 // not sleep while a caller holds one (it has not seen that queue since it
 // armed it).
 //
@@ -60,6 +65,7 @@
 
 #include "rdmarpc/status.h"
 #include "runtime/completion.h"
+#include "transport/rdma/completion_group.h"
 #include "transport/rdma/verbs.h"
 
 namespace rdmarpc::rdma {
@@ -74,10 +80,17 @@ class Engine final : public internal::PollerHooks {
   // Engines a process may have (RDMARPC_RDMA_POLLERS is clamped to it).
   static constexpr int kMaxPollers = 16;
 
-  // Starts polling `conn` on the engine with the fewest connections
-  // (starting it if need be; engines are never destroyed: connections may
-  // close during static destruction). UNAVAILABLE if its completion channel
-  // cannot be watched.
+  // A place for a new queue pair on `device` in a completion group of the
+  // engine with the fewest connections (starting it if need be; engines
+  // are never destroyed: connections may close during static
+  // destruction), with `entries` of its queue: a group with room, else a
+  // new one. `serves`: the queue pair will serve calls (a server's
+  // connection), not make them.
+  [[nodiscard]] static StatusOr<CompletionGroup::Membership> Join(
+      ibv_context* device, bool serves, uint32_t entries);
+  // Hands `conn` (whose resources joined a group) to the engine of its
+  // group, which finishes its close. Its completions reach it from its
+  // Create on.
   [[nodiscard]] static Status Add(std::shared_ptr<Connection> conn);
 
   // Acts on one asynchronous event of `device` (closes the connections it
@@ -114,6 +127,8 @@ class Engine final : public internal::PollerHooks {
   static constexpr uint64_t kDrainNumberMask = (uint64_t{1} << 30) - 1;
 
   Engine();
+  StatusOr<CompletionGroup::Membership> JoinHere(ibv_context* device,
+                                                 bool serves, uint32_t entries);
   Status AddHere(std::shared_ptr<Connection> conn);
   // A thread of the engine: holds the role when given it, else waits.
   void ThreadMain(bool holds_role);
@@ -143,7 +158,7 @@ class Engine final : public internal::PollerHooks {
   // on a removed device frees its context.
   static void ReleaseDevices();
   // Waits up to `timeout_ms` (-1: forever) for epoll and handles what it
-  // reports: wake-ups, completion channels, device events.
+  // reports: wake-ups, completion groups' channels, device events.
   void HandleEpoll(int timeout_ms);
   std::chrono::steady_clock::time_point NotStillBeforeHere(
       std::chrono::steady_clock::time_point now) const;
@@ -153,12 +168,16 @@ class Engine final : public internal::PollerHooks {
   Status start_error_;  // why the engine could not start (Add drops it)
   std::mutex mu_;
   std::vector<std::shared_ptr<Connection>> added_;  // not yet picked up
-  std::atomic<bool> added_pending_{false};          // added_ may be non-empty
-  // Connections added and not yet finished closing: where Add sends a new
-  // one.
+  std::vector<std::shared_ptr<CompletionGroup>> added_groups_;  // the same
+  // added_ or added_groups_ may be non-empty.
+  std::atomic<bool> added_pending_{false};
+  // Groups that may take members (mu_).
+  std::vector<std::shared_ptr<CompletionGroup>> open_groups_;
+  // Members of this engine's groups: where Join sends a new one.
   std::atomic<int> connections_{0};
   // Loop state: touched only by the thread holding the role (handed over
   // through standby_mu_ and role_).
+  std::vector<std::shared_ptr<CompletionGroup>> groups_;
   std::vector<std::shared_ptr<Connection>> conns_;
   uint64_t last_progress_ = 0;
   uint64_t last_events_ = 0;

@@ -140,8 +140,8 @@ void RdmaServerTransport::OnConnectRequest(const CmEvent& event) {
   auto endpoint = std::make_shared<ServerEndpoint>(
       dispatcher_, shared_, options_.inline_threshold, options_.gpu_rdma_mode,
       absl::StrCat("rdma:", peer_text), *client_id);
-  auto resources =
-      BuildResources(listener_->channel(), CmId(event.id), &config);
+  auto resources = BuildResources(listener_->channel(), CmId(event.id), &config,
+                                  /*serves=*/true);
   if (!resources.ok()) {
     shared_->refused.fetch_add(1);
     return;  // the id went with the failed resources
@@ -152,19 +152,11 @@ void RdmaServerTransport::OnConnectRequest(const CmEvent& event) {
     return;
   }
   endpoint->Attach(*conn);
-  rdma_conn_param param{};
-  param.rnr_retry_count = 0;
-  param.retry_count = 7;
-  if (auto delay = internal::fault::Take("rdma.server.accept_delay_ms")) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(*delay));
-  }
-  if (rdma_accept(event.id, &param) != 0) {
-    (*conn)->Close(VerbsError("rdma_accept", errno));
-  } else {
-    // Counted before the engine polls the connection: its first call may
-    // be served before the listener sees the CM's ESTABLISHED event.
-    shared_->accepted.fetch_add(1);
-  }
+  // All before the accept: the engine may serve the connection's first
+  // call as soon as the client hears of it (its completions are handled
+  // from Create on), before Add and before the listener sees the CM's
+  // ESTABLISHED event.
+  shared_->accepted.fetch_add(1);
   {
     std::lock_guard<std::mutex> lock(shared_->mu);
     ++shared_->endpoints_open;
@@ -172,6 +164,16 @@ void RdmaServerTransport::OnConnectRequest(const CmEvent& event) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     endpoints_[event.id] = endpoint;
+  }
+  rdma_conn_param param{};
+  param.rnr_retry_count = 0;
+  param.retry_count = 7;
+  if (auto delay = internal::fault::Take("rdma.server.accept_delay_ms")) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(*delay));
+  }
+  if (rdma_accept(event.id, &param) != 0) {
+    shared_->accepted.fetch_sub(1);
+    (*conn)->Close(VerbsError("rdma_accept", errno));
   }
   Status added = Engine::Add(*conn);
   if (!added.ok()) (*conn)->Close(added);

@@ -179,9 +179,12 @@ struct ChannelTransportStats {
   // Times the channel's RDMA watcher woke: every 50 ms while calls are
   // outstanding, never while the channel is idle.
   uint64_t rdma_watch_wakeups = 0;
-  // Times a caller blocked in Channel::Call found completions on the
-  // connection's queue itself while it waited (its response then completed
-  // on its own thread, not handed over by the completion engine).
+  // Times a caller blocked in Channel::Call on this channel found
+  // completions itself while it waited, polling the completion queue its
+  // connection shares with the engine's other client connections on that
+  // device (its response then completed on its own thread, not handed
+  // over by the completion engine; completions of other channels' calls
+  // it found count too).
   uint64_t rdma_caller_polls = 0;
   // Callbacks run on the completion thread (run_callbacks_inline) that
   // held it for 1 ms or more: each stalled every RDMA connection that

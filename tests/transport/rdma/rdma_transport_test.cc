@@ -537,8 +537,8 @@ TEST(RdmaTransport, AConnectionAddedAsTheEngineGoesToSleepIsPolled) {
       << ctx.stats().transport_reason;
 }
 
-// A caller blocked in Channel::Call takes its connection's queue from the
-// engine while it spins and polls it itself: its response completes on its
+// A caller blocked in Channel::Call takes its connection's (shared) queue from
+// the engine while it spins and polls it itself: its response completes on its
 // own thread. The spin is made long enough to catch every response on a
 // slow (sanitized, emulated) machine; a caller preempted right after
 // posting may still leave its response to the engine, hence "most".
@@ -1342,6 +1342,71 @@ TEST_F(ForgedPeerTest, DescriptorThatDisagreesWithTheMessageFailsTheCall) {
       << response.message();
   EXPECT_EQ(service_.echo_calls.load(), 0);
   (*conn)->Close(absl::CancelledError("test done"));
+  ExpectServerStillServes();
+}
+
+// The connections of one engine on one device share its completion queue,
+// each completion reaching the connection that posted it: a connection
+// that closes leaves the others working, and the one that takes its slot
+// after it holds another key (a completion the closed one left behind
+// cannot reach it). When a group is full, the next connection starts
+// another.
+TEST_F(ForgedPeerTest, ConnectionsShareACompletionQueuePerEngineAndDevice) {
+  struct Peer {
+    std::shared_ptr<RecordingHandler> handler =
+        std::make_shared<RecordingHandler>();
+    std::shared_ptr<rdmarpc::rdma::Connection> conn;
+  };
+  auto connect = [&](Peer* peer) {
+    rdmarpc::rdma::HelloResponse hello = Hello();  // a token per connection
+    auto conn = Connect(hello, hello.token(), peer->handler);
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    peer->conn = *std::move(conn);
+  };
+  Peer a, b;
+  ASSERT_NO_FATAL_FAILURE(connect(&a));
+  ASSERT_NO_FATAL_FAILURE(connect(&b));
+  EXPECT_EQ(a.conn->cq(), b.conn->cq());
+  EXPECT_NE(a.conn->member_key(), b.conn->member_key());
+  ASSERT_TRUE(RequestWrittenEcho(*a.conn, *a.handler, 1).ok());
+
+  const uint32_t closed_key = a.conn->member_key();
+  a.conn->Close(absl::CancelledError("test: the first connection closes"));
+  ASSERT_TRUE(a.handler->WaitClosed());
+  // Its slot is free once the engine, too, dropped it.
+  std::weak_ptr<rdmarpc::rdma::Connection> gone = a.conn;
+  a.conn.reset();
+  for (int i = 0; i < 1000 && !gone.expired(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(gone.expired());
+  Peer c;
+  ASSERT_NO_FATAL_FAILURE(connect(&c));
+  EXPECT_EQ(c.conn->cq(), b.conn->cq());
+  constexpr uint32_t kSlotMask =
+      rdmarpc::rdma::CompletionGroup::kMaxMembers - 1;
+  EXPECT_EQ(c.conn->member_key() & kSlotMask, closed_key & kSlotMask)
+      << "the freed slot is taken first";
+  EXPECT_NE(c.conn->member_key(), closed_key);
+  ASSERT_TRUE(RequestWrittenEcho(*b.conn, *b.handler, 2).ok());
+  ASSERT_TRUE(RequestWrittenEcho(*c.conn, *c.handler, 3).ok());
+
+  // Every group counts as full from here on.
+  rdmarpc::rdma::CompletionGroup::SetMaxMembersForTesting(1);
+  Peer d, e;
+  connect(&d);
+  connect(&e);
+  rdmarpc::rdma::CompletionGroup::SetMaxMembersForTesting(0);
+  ASSERT_TRUE(d.conn && e.conn);
+  EXPECT_NE(d.conn->cq(), e.conn->cq());
+  EXPECT_NE(d.conn->cq(), b.conn->cq());
+  ASSERT_TRUE(RequestWrittenEcho(*d.conn, *d.handler, 4).ok());
+  ASSERT_TRUE(RequestWrittenEcho(*e.conn, *e.handler, 5).ok());
+  EXPECT_EQ(service_.echo_calls.load(), 0);
+  for (Peer* peer : {&b, &c, &d, &e}) {
+    peer->conn->Close(absl::CancelledError("test done"));
+    EXPECT_TRUE(peer->handler->WaitClosed());
+  }
   ExpectServerStillServes();
 }
 

@@ -1,0 +1,197 @@
+// A completion queue shared by the connections of one engine on one RDMA
+// device, and the table that hands each completion to its connection.
+//
+// A connection joins a group before its queue pair is made (Engine::Join
+// picks the engine and the group), and its sends and receives complete on
+// the group's queue. Every work request id carries the connection's member
+// key (its slot in the group and the slot's generation) in bits
+// kKeyShift..62, so the thread that polls the group hands each completion
+// to the connection that posted it, and a completion left over from a
+// connection that closed never reaches the one that took its slot later.
+//
+//   RDMARPC_ASSIGN_OR_RETURN(CompletionGroup::Membership member,
+//                            Engine::Join(id->verbs, /*serves=*/false, 384));
+//   CreateRcQp(id, pd, member.cq(), caps);
+//   member.Install(conn);  // conn's completions reach it from now on
+//   wr.wr_id = member.key_bits() | local_id;
+//
+// Threads: one thread polls a group at a time (TryTake .. GiveBack): its
+// engine, or a caller that waits for its own call and polls the whole
+// group for its spin (Connection::TakeForCaller), completing the calls of
+// the group's other connections too. A client's connections and a
+// server's join different groups, so a caller never runs a server's
+// handler on its own thread.
+//
+// Ownership: the engine and every member hold the group. Its queue and
+// completion channel go with its last member (Membership's destructor),
+// which a connection holds beside its CM id and gives up before it: a
+// removed device's context is freed with its last id.
+#ifndef RDMARPC_TRANSPORT_RDMA_COMPLETION_GROUP_H_
+#define RDMARPC_TRANSPORT_RDMA_COMPLETION_GROUP_H_
+
+#include <infiniband/verbs.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "rdmarpc/status.h"
+#include "transport/rdma/verbs.h"
+
+namespace rdmarpc::rdma {
+
+class Connection;
+class Engine;
+
+class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
+ public:
+  // Work request ids: bit 63 marks a receive, bits kKeyShift..62 hold the
+  // member key (kSlotBits of slot, then its generation), the bits below
+  // are the connection's own.
+  static constexpr int kKeyShift = 40;
+  static constexpr int kSlotBits = 12;
+  static constexpr int kGenerationBits = 63 - kKeyShift - kSlotBits;
+  static constexpr uint64_t kLocalMask = (uint64_t{1} << kKeyShift) - 1;
+  static constexpr uint32_t kMaxMembers = uint32_t{1} << kSlotBits;
+  // Queue entries a group's members may take (fewer if the device allows
+  // fewer, more if one connection needs more): a connection of the
+  // default configuration takes 384, so about 40 share one queue. The
+  // queue has a third more (kSpareDivisor), for completions a member that
+  // left may have left behind (a connection that is destroyed without its
+  // close being finished by the engine is not drained).
+  static constexpr int kDefaultEntries = 16384;
+  static constexpr int kSpareDivisor = 3;
+  // Completions PollHeld takes at once.
+  static constexpr int kPollBatch = 32;
+  // A group takes no member beyond this many from now on (0: as many as
+  // its queue has room for); 1 gives every new connection a queue of its
+  // own.
+  static void SetMaxMembersForTesting(int members);
+
+  // A connection's place in a group: its slot and its share of the
+  // queue's entries. Move-only; destroying it leaves the group, and the
+  // last member to leave destroys the queue.
+  class Membership {
+   public:
+    Membership() = default;
+    Membership(Membership&& o) noexcept { *this = std::move(o); }
+    Membership& operator=(Membership&& o) noexcept;
+    ~Membership() { Leave(); }
+
+    explicit operator bool() const { return group_ != nullptr; }
+    CompletionGroup* group() const { return group_.get(); }
+    ibv_cq* cq() const;
+    // Slot and generation; OR-ed into every work request id the member
+    // posts as key_bits().
+    uint32_t key() const { return key_; }
+    uint64_t key_bits() const { return uint64_t{key_} << kKeyShift; }
+    // Completions with this member's key go to `conn` from now on (before
+    // its first receive is posted).
+    void Install(Connection* conn);
+    // No completion reaches the installed connection after this returns
+    // (it waits while another thread polls the group). Idempotent.
+    void Uninstall();
+
+   private:
+    friend class CompletionGroup;
+    void Leave();
+    std::shared_ptr<CompletionGroup> group_;
+    uint32_t key_ = 0;
+    uint32_t entries_ = 0;
+  };
+
+  // Makes the queue (and its non-blocking completion channel, watched by
+  // `engine`'s `epoll_fd` with the group's address as data) for
+  // connections that serve calls (`serves`) or make them. `members`
+  // counts the group's members for the engine (incremented by the engine
+  // when one joins, decremented here when it leaves).
+  static StatusOr<std::shared_ptr<CompletionGroup>> Create(
+      Engine* engine, ibv_context* device, bool serves, int entries,
+      int epoll_fd, std::atomic<int>* members);
+  ~CompletionGroup();
+  CompletionGroup(const CompletionGroup&) = delete;
+  CompletionGroup& operator=(const CompletionGroup&) = delete;
+
+  // A slot and `entries` queue entries, or false when the group has no
+  // room or its queue is gone (the last member left).
+  [[nodiscard]] bool TryJoin(uint32_t entries, Membership* member);
+
+  Engine* engine() const { return engine_; }
+  ibv_context* device() const { return device_; }
+  bool serves() const { return serves_; }
+  // The last member left: nothing joins any more, and the queue goes.
+  bool closed() const { return closed_.load(std::memory_order_acquire); }
+  // The queue is gone and its channel no longer watched: no epoll event
+  // names the group after the engine's next wait, so it may drop it.
+  bool released() const { return released_.load(std::memory_order_acquire); }
+  ibv_cq* cq() const { return cq_.get(); }
+
+  // Polling, one thread at a time. TryTake: false while another thread
+  // holds the group, or once it is closed. The engine never waits for a
+  // group: finding it held, it comes back on its next pass. (Uninstalling
+  // a connection and destroying the queue wait for the holder.)
+  bool TryTake();
+  void GiveBack();
+  // Polls one batch and hands each completion to its member; the number
+  // found. Requires the group held. A failed poll closes every member and
+  // marks the group broken.
+  int PollHeld();
+  // Polls until the queue is found empty (a short batch), at most the
+  // queue's size. Requires the group held.
+  void DrainHeld();
+  // The queue failed (a poll error, a CQ error event): nothing joins any
+  // more; the members are closed by whoever saw it.
+  void MarkBroken() { broken_.store(true, std::memory_order_release); }
+  enum class PollResult { kIdle, kFound, kBusy };
+  PollResult TryPoll();
+  // Engine: requests an event for the next completion. False when another
+  // thread holds the group (it was not armed: do not sleep on it).
+  bool Arm();
+  // Engine: reads and acknowledges the channel's pending event, unless
+  // another thread holds the group (the channel's fd then reports again).
+  void ConsumeEvents();
+
+ private:
+  CompletionGroup(Engine* engine, ibv_context* device, bool serves,
+                  uint32_t capacity, int epoll_fd, std::atomic<int>* members);
+  void Install(uint32_t key, Connection* conn);
+  void Uninstall(uint32_t key);
+  void Dispatch(const ibv_wc& wc);
+  void Leave(uint32_t key, uint32_t entries);
+  // Whether this thread holds the group (TryTake).
+  bool HeldHere() const;
+
+  Engine* const engine_;
+  ibv_context* const device_;
+  const bool serves_;
+  const uint32_t capacity_;  // queue entries
+  const int epoll_fd_;
+  std::atomic<int>* const engine_members_;
+  std::atomic<bool> polling_{false};
+  std::atomic<bool> closed_{false};
+  std::atomic<bool> released_{false};
+  std::atomic<bool> broken_{false};
+  // Written only with polling_ held (or before the first member joins).
+  CompletionChannel channel_;
+  CompletionQueue cq_;
+  // Per slot: the installed connection (its key says whether a
+  // completion is its own). Read by the polling thread; cleared with
+  // polling_ held, so no completion is being handed to it then.
+  std::unique_ptr<std::atomic<Connection*>[]> slots_;
+  // Membership, under mu_.
+  std::mutex mu_;
+  uint32_t members_ = 0;
+  uint32_t entries_taken_ = 0;
+  std::vector<uint32_t> free_slots_;
+  uint32_t next_unused_slot_ = 0;
+  std::vector<uint32_t> generations_;  // per slot
+  // The thread-local group the holder held before this one (restored by
+  // GiveBack).
+  const CompletionGroup* held_before_ = nullptr;
+};
+
+}  // namespace rdmarpc::rdma
+
+#endif  // RDMARPC_TRANSPORT_RDMA_COMPLETION_GROUP_H_
