@@ -85,7 +85,8 @@ TransportKind Channel::StartCall(std::string_view method, ClientContext* ctx,
                                  const google::protobuf::Message& request,
                                  google::protobuf::Message* response,
                                  std::function<void(Status)> done,
-                                 bool done_runs_inline, bool caller_drives) {
+                                 bool done_runs_inline, bool caller_drives,
+                                 bool done_only_wakes) {
   if (!internal::ClientContextAccess::MarkStarted(ctx)) {
     done(absl::FailedPreconditionError(
         "ClientContext used for a second call; use one per call"));
@@ -140,6 +141,7 @@ TransportKind Channel::StartCall(std::string_view method, ClientContext* ctx,
   call.done = std::move(done);
   call.done_runs_inline = done_runs_inline;
   call.caller_drives = caller_drives;
+  call.done_only_wakes = done_only_wakes;
   return router_->Route(std::move(call));
 }
 
@@ -228,7 +230,8 @@ Status Channel::Call(std::string_view method, ClientContext* ctx,
   TransportKind took = StartCall(
       method, ctx, request, response,
       [w = &waiter](Status s) { w->Complete(std::move(s)); },
-      /*done_runs_inline=*/true, /*caller_drives=*/true);
+      /*done_runs_inline=*/true, /*caller_drives=*/true,
+      /*done_only_wakes=*/true);
   std::shared_ptr<internal::CallerPoll> poll = internal::TakeCallerPoll();
   return waiter.Wait(took == TransportKind::kRdma ? posted : 0, poll.get());
 }
@@ -247,7 +250,8 @@ std::future<Status> Channel::CallFuture(
   StartCall(
       method, ctx, request, response,
       [promise](Status s) { promise->set_value(std::move(s)); },
-      /*done_runs_inline=*/true);
+      /*done_runs_inline=*/true, /*caller_drives=*/false,
+      /*done_only_wakes=*/true);
   return future;
 }
 

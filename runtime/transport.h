@@ -50,6 +50,12 @@ struct ClientCall {
   // transport may run it on its own thread, such as the RDMA completion
   // engine, instead of handing it to the callback thread.
   bool done_runs_inline = false;
+  // `done` only wakes a thread that waits for it (Channel::Call,
+  // CallFuture), so any polling thread may run it. A user's inline
+  // callback runs on the engine or on a caller blocked on its own
+  // channel, never on a caller of another channel that happens to share
+  // its completion queue (which may hold a lock the callback takes).
+  bool done_only_wakes = false;
   // The thread that calls Start waits for `done` right after (Channel::Call):
   // a transport may drive the whole call on it and return once done ran
   // (gRPC), or offer it the queue to poll while it waits (RDMA,

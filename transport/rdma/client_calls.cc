@@ -385,7 +385,8 @@ void ClientEndpoint::Complete(Outcomes outcomes) {
     CallStats* stats = internal::ClientContextAccess::mutable_stats(ctx);
     stats->tensor_bytes_received = r.received_bytes;
     stats->cpu_copied_bytes += r.out.cpu_copied_bytes + r.response_copied;
-    if (r.call.done_runs_inline) {
+    if (r.call.done_runs_inline &&
+        (r.call.done_only_wakes || !Connection::PolledForAnotherCaller())) {
       // A callback that blocks here holds up every connection this thread
       // polls: counted, so that it shows (rdma_callback_stalls).
       const internal::SpinClock& clock = internal::SpinClock::Get();

@@ -69,15 +69,17 @@ StatusOr<std::shared_ptr<CompletionGroup>> CompletionGroup::Create(
   int capacity = kDefaultEntries;
   ibv_device_attr attr{};
   if (ibv_query_device(device, &attr) == 0 && attr.max_cqe > 0) {
-    capacity =
-        std::min(capacity, attr.max_cqe - attr.max_cqe / (kSpareDivisor + 1));
+    // With its spare third the queue stays within the device's limit.
+    capacity = static_cast<int>(std::min<int64_t>(
+        capacity, int64_t{attr.max_cqe} * kSpareDivisor / (kSpareDivisor + 1)));
   }
-  // A connection that needs more than that has the queue to itself (and
-  // one it needs beyond the device's limit fails below, naming the size,
-  // as it would with a queue of its own).
-  capacity = std::max(capacity, entries);
-  const int queue_entries =
-      capacity == entries ? entries : capacity + capacity / kSpareDivisor;
+  int queue_entries = capacity + capacity / kSpareDivisor;
+  if (entries > capacity) {
+    // A connection that needs more has a queue of its own, of its size
+    // (beyond the device's limit it fails below, naming the size).
+    capacity = entries;
+    queue_entries = entries;
+  }
   std::shared_ptr<CompletionGroup> group(
       new CompletionGroup(engine, device, serves,
                           static_cast<uint32_t>(capacity), epoll_fd, members));

@@ -144,6 +144,7 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   // The queue failed (a poll error, a CQ error event): nothing joins any
   // more; the members are closed by whoever saw it.
   void MarkBroken() { broken_.store(true, std::memory_order_release); }
+  bool broken() const { return broken_.load(std::memory_order_acquire); }
   enum class PollResult { kIdle, kFound, kBusy };
   PollResult TryPoll();
   // Engine: requests an event for the next completion. False when another

@@ -106,6 +106,9 @@ CreditWindow::Options WindowOptions(const ConnectionConfig& c) {
 // queues may leave its `sent` to a later completion, since this thread
 // (or the engine after it) flushes before it stops polling.
 thread_local const Connection* polling_here = nullptr;
+// The connection whose call this thread waits for while it polls that
+// connection's group (Connection::PollTaken), if any.
+thread_local const Connection* polling_for_caller_of = nullptr;
 
 uint32_t SignalInterval(const ConnectionConfig& c) {
   if (c.signal_interval > 0) return c.signal_interval;
@@ -555,9 +558,18 @@ bool Connection::PollTaken() {
   // for a call of its own meanwhile (an inline callback that tried would
   // wait for itself): it counts as a completion thread while it polls.
   internal::CompletionThreadScope scope;
-  if (res_.group.group()->PollHeld() == 0) return false;
+  const Connection* outer = polling_for_caller_of;
+  polling_for_caller_of = this;
+  const int found = res_.group.group()->PollHeld();
+  polling_for_caller_of = outer;
+  if (found == 0) return false;
   caller_polls_found_.fetch_add(1, std::memory_order_relaxed);
   return true;
+}
+
+bool Connection::PolledForAnotherCaller() {
+  return polling_for_caller_of != nullptr &&
+         polling_for_caller_of != polling_here;
 }
 
 void Connection::GiveBack() { res_.group.group()->GiveBack(); }

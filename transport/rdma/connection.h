@@ -17,8 +17,9 @@
 //
 // Threads: SendFrame, Write and Close may be called from any thread. The
 // Handler's methods and every Write continuation run on the thread that
-// polls the completion queue, one at a time: the engine, or a caller
-// waiting for its own call (Channel::Call, through TakeForCaller). They run
+// polls the connection's completion group, one at a time: the engine, or
+// a caller waiting for a call on this or another connection of the group
+// (Channel::Call, through TakeForCaller). They run
 // without the connection's lock held, so they may call back in. A frame
 // with a `sent` continuation queued by the polling thread itself goes
 // unsignaled like the others: its `sent` runs once a later completion
@@ -275,6 +276,10 @@ class Connection : public std::enable_shared_from_this<Connection>,
   bool TakeForCaller() override;
   bool PollTaken() override;
   void GiveBack() override;
+  // Whether this thread handles a completion of one connection while it
+  // polls the group for a call it made on another (a blocked caller's
+  // spin): a user's inline callback then goes to the callback thread.
+  static bool PolledForAnotherCaller();
   // Times PollTaken found completions (for tests and stats).
   uint64_t caller_polls_found() const {
     return caller_polls_found_.load(std::memory_order_relaxed);

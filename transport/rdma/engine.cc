@@ -122,17 +122,12 @@ StatusOr<CompletionGroup::Membership> Engine::JoinHere(ibv_context* device,
                                                        uint32_t entries) {
   CompletionGroup::Membership member;
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto it = open_groups_.begin(); it != open_groups_.end();) {
-    CompletionGroup* group = it->get();
-    if (group->closed()) {
-      it = open_groups_.erase(it);
-      continue;
-    }
+  std::erase_if(open_groups_, [](const auto& g) { return g->closed(); });
+  for (const auto& group : open_groups_) {
     if (group->device() == device && group->serves() == serves &&
         group->TryJoin(entries, &member)) {
       return member;
     }
-    ++it;
   }
   RDMARPC_ASSIGN_OR_RETURN(
       std::shared_ptr<CompletionGroup> group,
@@ -184,6 +179,13 @@ Engine::Engine()
 
 Status Engine::AddHere(std::shared_ptr<Connection> conn) {
   conn->set_engine(this);
+  // Its queue failed while it was being set up (the error event closed
+  // only the connections added by then).
+  if (conn->group()->broken()) {
+    conn->Close(absl::UnavailableError(
+                    "RDMA connection failed: its completion queue failed"),
+                "CQ error event");
+  }
   {
     DeviceWatch& devices = Devices();
     std::lock_guard<std::mutex> lock(devices.mu);
@@ -485,15 +487,14 @@ void Engine::Loop() {
     for (size_t i = 0; i < conns_.size();) {
       Connection* c = conns_[i].get();
       if (c->closed()) {
-        // First: destroying the last id on a removed device closes the
-        // device, and its async fd with it (FinishClose or the last
-        // reference may do that).
-        ReleaseDevices();
         if (!c->FinishClose()) {  // a caller holds its group
           progress = true;
           ++i;
           continue;
         }
+        // Before the last reference goes: destroying the last id on a
+        // removed device closes the device, and its async fd with it.
+        ReleaseDevices();
         conns_[i] = std::move(conns_.back());
         conns_.pop_back();
         if (!Drain()) return;

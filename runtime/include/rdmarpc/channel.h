@@ -84,13 +84,14 @@ class Channel final : public ChannelInterface {
   Channel(std::string target, ChannelOptions options);
   // Hands `call` to the transport the policy and the RDMA health pick,
   // and returns which one took it (kNone: not started, or waiting for the
-  // first connect). CallAsync's body; `done_runs_inline` and
-  // `caller_drives`: see internal::ClientCall.
+  // first connect). CallAsync's body; `done_runs_inline`,
+  // `caller_drives` and `done_only_wakes`: see internal::ClientCall.
   TransportKind StartCall(std::string_view method, ClientContext* ctx,
                           const google::protobuf::Message& request,
                           google::protobuf::Message* response,
                           std::function<void(Status)> done,
-                          bool done_runs_inline, bool caller_drives = false);
+                          bool done_runs_inline, bool caller_drives = false,
+                          bool done_only_wakes = false);
   std::string target_;
   // OK, or why target_ (or the options) cannot be used: every call fails
   // with it.

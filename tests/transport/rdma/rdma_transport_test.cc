@@ -561,6 +561,62 @@ TEST(RdmaTransport, BlockingCallersPollTheirOwnQueue) {
   EXPECT_GE(stats.rdma_caller_polls - before, 50u) << stats.ToString();
 }
 
+// A caller blocked on one channel polls the completion queue it shares
+// with the engine's other client connections, and so finds another
+// channel's responses too: a user's inline callback of that channel then
+// runs on the callback thread, not on the blocked caller (which may hold
+// a lock the callback takes). The caller's spin is made to outlast its
+// slow call, so it holds the queue when the other channel's response
+// comes.
+TEST(RdmaTransport, ABlockedCallerHandsAnotherChannelsCallbackOn) {
+  Service service;
+  int port = 0;
+  auto server = rdmarpc::ServerBuilder()
+                    .AddListeningPort("127.0.0.1:0", &port)
+                    .RegisterService(&service)
+                    .SetRunHandlersInline(false)
+                    .BuildAndStart();
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto blocked = E2E::NewStub(RdmaChannel(port));
+  auto other = E2E::NewStub(RdmaChannel(port));
+  ASSERT_TRUE(EchoOnce(blocked.get(), 64, 1));
+  ASSERT_TRUE(EchoOnce(other.get(), 64, 2));
+
+  rdmarpc::internal::SetSpinForTesting(std::chrono::seconds(30));
+  std::promise<std::thread::id> blocked_thread;
+  std::atomic<bool> slow_done{false};
+  std::thread slow([&] {
+    blocked_thread.set_value(std::this_thread::get_id());
+    ClientContext ctx;
+    EchoRequest req;
+    req.set_sleep_ms(2000);
+    EchoResponse resp;
+    rdmarpc::Status s = blocked->Slow(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << s;
+    slow_done = true;
+  });
+  const std::thread::id blocked_id = blocked_thread.get_future().get();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+
+  ClientContext ctx;
+  EchoRequest req;
+  EchoResponse resp;
+  req.set_note("other");
+  std::promise<std::pair<std::thread::id, std::string>> callback;
+  other->Echo(&ctx, req, &resp, [&](rdmarpc::Status s) {
+    EXPECT_TRUE(s.ok()) << s;
+    callback.set_value({std::this_thread::get_id(), ThreadName()});
+  });
+  auto [callback_thread, callback_name] = callback.get_future().get();
+  const bool still_blocked = !slow_done.load();
+  slow.join();
+  rdmarpc::internal::SetSpinForTesting(std::chrono::microseconds(0));
+  ASSERT_TRUE(still_blocked) << "the slow call ended before the other one";
+  EXPECT_EQ(ctx.stats().transport, rdmarpc::TransportKind::kRdma);
+  EXPECT_NE(callback_thread, blocked_id);
+  EXPECT_EQ(callback_name, "rdmarpc-done");
+}
+
 // With run_callbacks_inline false, callbacks run on the runtime's callback
 // thread, where they may block.
 TEST(RdmaTransport, CallbacksRunOnTheCallbackThreadWhenAsked) {
