@@ -90,7 +90,6 @@ void ClientEndpoint::Attach(std::shared_ptr<Connection> conn) {
   conn_ = std::move(conn);
   cache_ = RegistrationCache::Create(conn_->pd());
   attached_ = conn_.get();
-  attached_cache_ = cache_.get();
 }
 
 Status ClientEndpoint::health() const {
@@ -181,7 +180,7 @@ void ClientEndpoint::Start(internal::ClientCall call) {
   }
   // A close from here on fails the frame's send below, which reroutes.
   Connection* conn = attached_;
-  RegistrationCache* cache = attached_cache_;
+  RegistrationCache* cache = cache_.get();
   size_t base = kPreambleBytes + head->ByteSizeLong();
   size_t room =
       conn->max_frame_bytes() > base ? conn->max_frame_bytes() - base : 0;

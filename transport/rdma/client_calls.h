@@ -142,10 +142,9 @@ class ClientEndpoint final
 
   std::atomic<uint64_t> callback_stalls_{0};
   // Set once by Attach, before the first Start, and never changed: Start
-  // reads them without mu_. The transport that calls Start holds the
-  // connection for its whole life; the cache is only cleared on close.
+  // reads it (and cache_, never reset, only cleared on close) without mu_.
+  // The transport that calls Start holds the connection for its whole life.
   Connection* attached_ = nullptr;
-  RegistrationCache* attached_cache_ = nullptr;
   // Whether closed_ is set: health() and Start read it without mu_.
   std::atomic<bool> lost_{false};
   mutable std::mutex mu_;

@@ -85,26 +85,18 @@ class Service final : public E2E::Service {
   std::thread::id handler_thread;     // of the last "thread" echo; mu
 };
 
+// Handlers run on the engine thread (the default), or with
+// `inline_handlers` false on `workers` worker threads.
 std::unique_ptr<rdmarpc::Server> StartServer(Service* service, int* port,
                                              uint32_t receives = 64,
-                                             int workers = 8) {
+                                             int workers = 8,
+                                             bool inline_handlers = true) {
   auto server = rdmarpc::ServerBuilder()
                     .AddListeningPort("127.0.0.1:0", port)
                     .RegisterService(service)
                     .SetNumWorkers(workers)
                     .SetRdmaReceives(receives)
-                    .BuildAndStart();
-  EXPECT_TRUE(server.ok()) << server.status();
-  return server.ok() ? std::move(*server) : nullptr;
-}
-
-// Handlers run on the engine thread (SetRunHandlersInline).
-std::unique_ptr<rdmarpc::Server> StartInlineServer(Service* service,
-                                                   int* port) {
-  auto server = rdmarpc::ServerBuilder()
-                    .AddListeningPort("127.0.0.1:0", port)
-                    .RegisterService(service)
-                    .SetRunHandlersInline(true)
+                    .SetRunHandlersInline(inline_handlers)
                     .BuildAndStart();
   EXPECT_TRUE(server.ok()) << server.status();
   return server.ok() ? std::move(*server) : nullptr;
@@ -229,7 +221,7 @@ TEST(RdmaTransport, TwoHundredFiftySixCallsInFlightOnOneConnection) {
 TEST(RdmaTransport, InlineHandlersServeSentAndWrittenTensors) {
   Service service;
   int port = 0;
-  auto server = StartInlineServer(&service, &port);
+  auto server = StartServer(&service, &port);
   ASSERT_NE(server, nullptr);
   auto channel = RdmaChannel(port);
   auto stub = E2E::NewStub(channel);
@@ -250,7 +242,7 @@ TEST(RdmaTransport, InlineHandlersServeSentAndWrittenTensors) {
 TEST(RdmaTransport, SmallTensorsLandInTheArenaThroughWindows) {
   Service service;
   int port = 0;
-  auto server = StartInlineServer(&service, &port);
+  auto server = StartServer(&service, &port);
   ASSERT_NE(server, nullptr);
   auto channel = RdmaChannel(port);
   auto stub = E2E::NewStub(channel);
@@ -305,7 +297,7 @@ TEST(RdmaTransport, LargeTensorsLandInAGrownArenaSegmentThroughWindows) {
   held.pop_back();  // the grown segment stays free for the calls
   Service service;
   int port = 0;
-  auto server = StartInlineServer(&service, &port);
+  auto server = StartServer(&service, &port);
   ASSERT_NE(server, nullptr);
   auto channel = RdmaChannel(port);
   auto stub = E2E::NewStub(channel);
@@ -350,7 +342,7 @@ TEST(RdmaTransport, LargeTensorsLandInAGrownArenaSegmentThroughWindows) {
 TEST(RdmaTransport, InlineHandlerThatBlocksIsCountedAsAStall) {
   Service service;
   int port = 0;
-  auto server = StartInlineServer(&service, &port);
+  auto server = StartServer(&service, &port);
   ASSERT_NE(server, nullptr);
   auto stub = E2E::NewStub(RdmaChannel(port));
   EXPECT_EQ(server->handler_stats().inline_stalls, 0u);
@@ -461,7 +453,7 @@ TEST(RdmaTransport, CallbacksRunOnTheCompletionThreadByDefault) {
 TEST(RdmaTransport, ConnectionsSpreadOverThePollers) {
   Service service;
   int port = 0;
-  auto server = StartInlineServer(&service, &port);
+  auto server = StartServer(&service, &port);
   ASSERT_NE(server, nullptr);
   rdmarpc::rdma::Engine::SetPollersForTesting(
       rdmarpc::rdma::Engine::kMaxPollers);
@@ -571,12 +563,9 @@ TEST(RdmaTransport, BlockingCallersPollTheirOwnQueue) {
 TEST(RdmaTransport, ABlockedCallerHandsAnotherChannelsCallbackOn) {
   Service service;
   int port = 0;
-  auto server = rdmarpc::ServerBuilder()
-                    .AddListeningPort("127.0.0.1:0", &port)
-                    .RegisterService(&service)
-                    .SetRunHandlersInline(false)
-                    .BuildAndStart();
-  ASSERT_TRUE(server.ok()) << server.status();
+  auto server = StartServer(&service, &port, /*receives=*/64, /*workers=*/8,
+                            /*inline_handlers=*/false);
+  ASSERT_NE(server, nullptr);
   auto blocked = E2E::NewStub(RdmaChannel(port));
   auto other = E2E::NewStub(RdmaChannel(port));
   ASSERT_TRUE(EchoOnce(blocked.get(), 64, 1));
@@ -810,7 +799,7 @@ TEST(RdmaTransport, CallsOnOtherConnectionsGoOnWhileALargeRequestRegisters) {
 TEST(RdmaTransport, CallsOnOtherConnectionsGoOnWhileALargeResponseRegisters) {
   Service service;
   int port = 0;
-  auto server = StartInlineServer(&service, &port);
+  auto server = StartServer(&service, &port);
   ASSERT_NE(server, nullptr);
   auto large_stub = E2E::NewStub(RdmaChannel(port));
   auto small_stub = E2E::NewStub(RdmaChannel(port));
