@@ -117,7 +117,8 @@ rpc_syscalls() {
 }
 
 # Instructions per call, both ends: callgrind over 1000 and over 3000
-# calls, the difference over 2000. Under the VM's CPU emulation time goes
+# calls, the difference over 2000 (STYLE SYSTEM [PARAM], PARAM 64 unless
+# given: the size, or crowded's count of idle connections). Under the VM's CPU emulation time goes
 # with instructions, so this says where a small call's time goes, and it
 # does not drift between runs the way timings do. (perftest busy-polls, so
 # its count is its waiting time: no reference row.) Prints
@@ -126,7 +127,7 @@ rpc_syscalls() {
 # stock-release-mutexes is stock gRPC with Abseil's debug deadlock detector
 # off, as rdmarpc's gRPC transports turn it off (release_mutexes.h).
 rpc_instructions() {
-  local style="$1" sys="$2" n run_sys="$2" release=0
+  local style="$1" sys="$2" param="${3:-64}" n run_sys="$2" release=0
   if [[ "$sys" == stock-release-mutexes ]]; then
     run_sys=stock
     release=1
@@ -136,11 +137,12 @@ rpc_instructions() {
       RDMARPC_BENCH_UNDER_VALGRIND=1 RDMARPC_BENCH_CALLS=$n \
       valgrind --tool=callgrind --fair-sched=yes --vgdb=no \
       --callgrind-out-file="$sc_tmp/cg.$n" \
-      "$bin/rpc_bench" "$style" "$run_sys" 64 >/dev/null 2>&1
+      "$bin/rpc_bench" "$style" "$run_sys" "$param" >/dev/null 2>&1
   done
   awk '/^totals:/ {t[FILENAME] = $2}
-       END {printf "instructions,%s-%s,64,per_call,%.0f,n\n", sys, style,
-                   (t[b] - t[a]) / 2000}' sys="$sys" style="$style" \
+       END {printf "instructions,%s-%s,%s,per_call,%.0f,n\n", sys, style,
+                   param, (t[b] - t[a]) / 2000}' sys="$sys" style="$style" \
+    param="$param" \
     a="$sc_tmp/cg.1000" b="$sc_tmp/cg.3000" "$sc_tmp/cg.1000" "$sc_tmp/cg.3000"
   # Lock acquisitions per call from the same two profiles.
   python3 bench/callgrind_locks.py "$sc_tmp/cg.1000" "$sc_tmp/cg.3000" 2000 \
@@ -286,6 +288,13 @@ done
 run inflight "$bin/rpc_bench" inflight rdma-pollers2-inline $depths
 run fanout "$bin/rpc_bench" fanout rdma $fans
 run idle "$bin/rpc_bench" idle rdma 32
+# A busy connection beside 32 idle ones to the same server: what the idle
+# ones cost each pass of the pollers (an engine's connections on a device
+# share one completion queue), timed and in instructions per call (the
+# instructions rows' rdma-inline-blocking is the same call alone).
+run crowded "$bin/rpc_bench" crowded rdma-inline 0 32
+COMMAND_TEXT="RDMARPC_BENCH_UNDER_VALGRIND=1 RDMARPC_BENCH_CALLS=1000|3000 valgrind --tool=callgrind --fair-sched=yes $bin/rpc_bench crowded rdma-inline 32" \
+  run instructions rpc_instructions crowded rdma-inline 32
 run interference "$bin/rpc_bench" interference rdma "$interfere"
 # The interference row's reference: ib_send_lat alone, then while
 # ib_write_bw moves messages of the same size back to back on a second

@@ -345,6 +345,34 @@ def main():
         if idle.get("rdma") is not None:
             targets.append(("idle server, 32 RDMA connections: < 1% of a "
                             "core", idle["rdma"], idle["rdma"] < 1))
+    crowd = {m: get("crowded", "rdma-inline", m)
+             for m in ("p50", "p99", "cpu_per_million_calls")}
+    if crowd["p50"]:
+        alone_ins = get("instructions", "rdma-inline-blocking",
+                        "per_call").get(64)
+        crowd_ins = get("instructions", "rdma-inline-crowded",
+                        "per_call").get(32)
+        md += ["## A busy connection beside idle ones (RDMA, inline handlers)",
+               "",
+               "64 B blocking calls on one channel while COUNT other "
+               "channels to the same server stay connected and make no "
+               "calls (`rpc_bench crowded`): what the idle ones cost each "
+               "pass of the pollers. Instructions per call (callgrind, both "
+               "ends): alone from the instructions rows' "
+               "rdma-inline-blocking, beside 32 from `crowded "
+               "rdma-inline 32`.", "",
+               "| idle connections | p50 (us) | p99 (us) | CPU per call (us) "
+               "| instructions per call |", "|---|---|---|---|---|"]
+        for count in sorted(crowd["p50"]):
+            cpu = crowd["cpu_per_million_calls"].get(count)
+            ins = {0: alone_ins, 32: crowd_ins}.get(count)
+            md.append(f"| {count} | {fmt(crowd['p50'][count])} | "
+                      f"{fmt(crowd['p99'].get(count))} | "
+                      f"{fmt(cpu)} | {fmt(ins)} |")
+        p50_ratio = ratio(crowd["p50"].get(32), crowd["p50"].get(0))
+        ins_ratio = ratio(crowd_ins, alone_ins)
+        md += ["", f"Beside 32 idle connections: p50 {fmt(p50_ratio)}x, "
+               f"instructions {fmt(ins_ratio)}x of the call alone.", ""]
     phases = ("idle_p50", "idle_p99", "loaded_p50", "loaded_p99")
     lo = {m: get("interference", "rdma", m) for m in phases}
     ref = {m: get("interference", "ib_send_lat", m) for m in phases}

@@ -15,6 +15,11 @@
 //                                           of COUNT channels: calls/s
 //   rpc_bench idle        SYSTEM COUNTS...  COUNT channels connected, no
 //                                           calls for 5 s: CPU % of a core
+//   rpc_bench crowded     SYSTEM COUNTS...  64 B blocking calls on one
+//                                           channel while COUNT others to
+//                                           the same server stay connected
+//                                           and idle (COUNTS ascending):
+//                                           p50/p99 us, CPU per call
 //   rpc_bench interference SYSTEM BYTES...  64 B calls on one connection,
 //                                           alone and while another moves
 //                                           BYTES back to back: p50/p99 us
@@ -28,7 +33,8 @@
 // the peer timeout off and counts an inline handler as a stall only past
 // 1 s (RDMARPC_INLINE_STALL_US), for counting instructions under callgrind.
 //
-// RDMARPC_BENCH_CALLS=N makes latency, blocking and throughput make exactly
+// RDMARPC_BENCH_CALLS=N makes latency, blocking, throughput and crowded make
+// exactly
 // N calls per size after the warm-up, untimed (for counting what N calls
 // cost: reading the clock around each call would add two system calls per
 // call in a VM whose clock source traps); their latency rows then read 0.
@@ -385,6 +391,12 @@ bool CallAndWait(Target* t, size_t bytes) {
   return ok;
 }
 
+// RDMARPC_BENCH_CALLS, or 0 when unset: that many calls, untimed.
+int FixedCalls() {
+  const char* fixed = std::getenv("RDMARPC_BENCH_CALLS");
+  return fixed != nullptr ? std::atoi(fixed) : 0;
+}
+
 // Calls of `bytes` until `min_calls` and `min_seconds` are both reached:
 // blocking calls, or asynchronous ones waited for one at a time.
 std::vector<double> Sequential(Target* t, size_t bytes, int min_calls,
@@ -496,16 +508,16 @@ int main(int argc, char** argv) {
       bool small = g_experiment != "throughput";
       // RDMARPC_BENCH_CALLS=N: exactly N calls (after the warm-up), for
       // counting what N calls cost (bench/experiments.sh's system calls).
-      const char* fixed = std::getenv("RDMARPC_BENCH_CALLS");
+      const int fixed = FixedCalls();
       int min_calls = small ? 2000 : 3;
       double min_seconds = small ? 1.0 : 2.0;
-      if (fixed != nullptr && *fixed != '\0') {
-        min_calls = std::atoi(fixed);
+      if (fixed > 0) {
+        min_calls = fixed;
         min_seconds = 0;
       }
       auto us = Sequential(target.get(), bytes, min_calls, min_seconds,
                            &seconds, g_experiment == "blocking",
-                           /*timed=*/fixed == nullptr || *fixed == '\0');
+                           /*timed=*/fixed == 0);
       double cpu = CpuSeconds() - cpu0;
       double allocations =
           static_cast<double>(g_allocations.load() - allocations0);
@@ -577,6 +589,31 @@ int main(int argc, char** argv) {
       std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
       double cpu = CpuSeconds() - cpu0;
       Row(std::to_string(count), "cpu_percent", cpu / seconds * 100, "%");
+    }
+  } else if (g_experiment == "crowded") {
+    // What other connections cost a busy one when they are there but make
+    // no calls: each pass of a poller covers them (their completion
+    // queues, or the one they share).
+    int port = sys.StartServer();
+    auto active = sys.Connect(port, 0);
+    std::vector<std::unique_ptr<Target>> idle;
+    const int fixed = FixedCalls();
+    for (uint64_t count : values) {
+      if (count < idle.size()) Fail("crowded: COUNTS must ascend");
+      while (idle.size() < count) {
+        idle.push_back(sys.Connect(port, static_cast<int>(idle.size()) + 1));
+        if (!idle.back()->CallBlocking(64)) Fail("warm-up call");
+      }
+      double seconds = 0;
+      double cpu0 = CpuSeconds();
+      auto us = Sequential(active.get(), 64, fixed > 0 ? fixed : 2000,
+                           fixed > 0 ? 0 : 1.0, &seconds, /*blocking=*/true,
+                           /*timed=*/fixed == 0);
+      double cpu = CpuSeconds() - cpu0;
+      std::string param = std::to_string(count);
+      Row(param, "p50", Pct(us, 0.50), "us");
+      Row(param, "p99", Pct(us, 0.99), "us");
+      Row(param, "cpu_per_million_calls", cpu / us.size() * 1e6, "s");
     }
   } else if (g_experiment == "interference") {
     // 64 B calls on one connection alone, then while another connection to

@@ -352,6 +352,9 @@ Status Connection::TrackPostedLocked(uint64_t wr_id, int send_buffer,
     unsignaled_[(unsignaled_head_ + unsignaled_count_) % unsignaled_.size()] =
         wr_id;
     ++unsignaled_count_;
+    if (posted_[slot].done) {
+      flush_wanted_.store(true, std::memory_order_relaxed);
+    }
   }
   return absl::OkStatus();
 }
@@ -373,26 +376,33 @@ void Connection::ReleaseUnsignaledLocked(uint64_t seq, uint32_t* completed,
     unsignaled_head_ = (unsignaled_head_ + 1) % unsignaled_.size();
     --unsignaled_count_;
   }
+  // Loaded first: most completions find it clear, and leave its line so.
+  if (flush_wanted_.load(std::memory_order_relaxed)) {
+    flush_wanted_.store(false, std::memory_order_relaxed);
+  }
 }
 
 bool Connection::FlushUnsignaled(bool any) {
   std::lock_guard<std::mutex> lock(mu_);
   if (unsignaled_count_ == 0 || closed_.load() || res_.qp.get() == nullptr) {
+    flush_wanted_.store(false, std::memory_order_relaxed);
     return false;
   }
   // Those before a signaled one still outstanding are covered by it (once
   // it completes it releases them); a flush is for those after it.
   bool uncovered = false;
-  bool wanted = any;
+  bool waiting_sent = false;
   for (size_t i = 0; i < unsignaled_count_; ++i) {
     Posted* posted = FindPostedLocked(
         unsignaled_[(unsignaled_head_ + i) % unsignaled_.size()]);
     if (posted == nullptr || posted->seq < last_signaled_seq_) continue;
     uncovered = true;
-    wanted |= posted->done != nullptr;
+    waiting_sent |= posted->done != nullptr;
   }
+  // Still wanted only while a `sent` waits and no flush is posted below.
+  flush_wanted_.store(waiting_sent, std::memory_order_relaxed);
   if (!uncovered) return false;
-  if (!wanted || !window_.TryTakeSendSlot()) return false;
+  if (!(any || waiting_sent) || !window_.TryTakeSendSlot()) return false;
   ibv_send_wr wr{};
   auto wr_id = NextWrIdLocked();
   if (!wr_id.ok()) return false;
@@ -407,6 +417,7 @@ bool Connection::FlushUnsignaled(bool any) {
     return false;
   }
   ++counters_.flush_writes;
+  flush_wanted_.store(false, std::memory_order_relaxed);
   return true;
 }
 
@@ -955,8 +966,10 @@ void Connection::Close(Status why, const char* trigger) {
     // Tells the peer; the engine tears the queue pair down.
     if (res_.qp.get() != nullptr) rdma_disconnect(res_.id.get());
   }
-  // Not added yet: the engine that adds it finds it closed.
-  if (Engine* engine = this->engine()) engine->Wake();
+  // Not added yet: the engine that adds it finds it closed (closed_ and
+  // engine_ are sequentially consistent: this load or its adding sees the
+  // other's store).
+  if (Engine* engine = this->engine()) engine->WakeForClose();
 }
 
 Status Connection::InjectQueuePairError() {

@@ -216,6 +216,14 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // only when one of them has a `sent`, or with `any` always. True if it
   // posted one. The engine calls it before it sleeps.
   bool FlushUnsignaled(bool any = false);
+  // Whether an unsignaled frame with a `sent` may wait for a flush: the
+  // engine, before it sleeps, calls FlushUnsignaled only where this holds,
+  // so idle connections cost it no lock. Set by the poster of such a frame
+  // (the group's holder, whose give-back publishes it: others signal
+  // theirs), cleared by a flush check that finds none uncovered.
+  bool wants_flush() const {
+    return flush_wanted_.load(std::memory_order_relaxed);
+  }
   std::atomic<int> calls_waiting{0};
 
   // For the calls' progress watch (rdma_client.cc), as
@@ -287,10 +295,8 @@ class Connection : public std::enable_shared_from_this<Connection>,
 
   // The engine that polls this connection, set once by Engine::Add (null
   // before).
-  Engine* engine() const { return engine_.load(std::memory_order_acquire); }
-  void set_engine(Engine* engine) {
-    engine_.store(engine, std::memory_order_release);
-  }
+  Engine* engine() const { return engine_.load(); }
+  void set_engine(Engine* engine) { engine_.store(engine); }
 
   // Engine use (engine thread only): tears the queue pair down after
   // Close() and runs the continuations. False, having done nothing, while
@@ -412,6 +418,7 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // they were posted (a ring of signal_interval_ slots).
   uint32_t signal_interval_ = 1;
   std::vector<uint64_t> unsignaled_;
+  std::atomic<bool> flush_wanted_{false};  // written under mu_
   size_t unsignaled_head_ = 0;
   size_t unsignaled_count_ = 0;
   uint64_t next_seq_ = 1;

@@ -206,6 +206,11 @@ void Engine::Wake() {
   (void)!write(wake_fd_.get(), &one, sizeof(one));
 }
 
+void Engine::WakeForClose() {
+  closes_pending_.store(true, std::memory_order_release);
+  Wake();
+}
+
 void Engine::WatchDevice(ibv_context* device) {
   DeviceWatch& devices = Devices();
   if (device == nullptr || devices.watched.contains(device)) return;
@@ -468,6 +473,8 @@ void Engine::Loop() {
       added_.clear();
       for (auto& g : added_groups_) groups_.push_back(std::move(g));
       added_groups_.clear();
+      // One closed before it had an engine to tell.
+      closes_pending_.store(true, std::memory_order_relaxed);
     }
     bool progress = false;
     for (size_t i = 0; i < groups_.size();) {
@@ -484,10 +491,13 @@ void Engine::Loop() {
       }
       ++i;
     }
-    for (size_t i = 0; i < conns_.size();) {
+    const bool closes =
+        closes_pending_.exchange(false, std::memory_order_acq_rel);
+    for (size_t i = 0; closes && i < conns_.size();) {
       Connection* c = conns_[i].get();
       if (c->closed()) {
         if (!c->FinishClose()) {  // a caller holds its group
+          closes_pending_.store(true, std::memory_order_relaxed);
           progress = true;
           ++i;
           continue;
@@ -497,6 +507,9 @@ void Engine::Loop() {
         ReleaseDevices();
         conns_[i] = std::move(conns_.back());
         conns_.pop_back();
+        // Set before the drains: if they hand the loop on, its next holder
+        // looks at the rest (the role's hand-over publishes the store).
+        closes_pending_.store(true, std::memory_order_relaxed);
         if (!Drain()) return;
         continue;
       }
@@ -534,7 +547,9 @@ void Engine::Loop() {
     // Quiet: complete the frames left unsignaled whose `sent` waits (their
     // flush write's completion comes while spinning), then arm every
     // queue, catch what raced with arming, and sleep.
-    for (auto& c : conns_) progress |= c->FlushUnsignaled();
+    for (auto& c : conns_) {
+      if (c->wants_flush()) progress |= c->FlushUnsignaled();
+    }
     if (progress) {
       last_progress_ = now;
       continue;

@@ -113,6 +113,9 @@ class Engine final : public internal::PollerHooks {
 
   // Makes the engine's thread look at its connections now (one closed, ...).
   void Wake();
+  // Wakes it to finish a connection's close: the loop looks for closed
+  // connections only after this (or after adding some), not on every pass.
+  void WakeForClose();
 
   // internal::PollerHooks, on the thread that holds the role.
   void RunAfterBatch(void (*drain)()) override;
@@ -171,6 +174,8 @@ class Engine final : public internal::PollerHooks {
   std::vector<std::shared_ptr<CompletionGroup>> added_groups_;  // the same
   // added_ or added_groups_ may be non-empty.
   std::atomic<bool> added_pending_{false};
+  // A connection of conns_ (or one being added) may have closed.
+  std::atomic<bool> closes_pending_{false};
   // Groups that may take members (mu_).
   std::vector<std::shared_ptr<CompletionGroup>> open_groups_;
   // Members of this engine's groups: where Join sends a new one.
