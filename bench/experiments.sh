@@ -118,12 +118,12 @@ rpc_syscalls() {
 
 # Instructions per call, both ends: callgrind over 1000 and over 3000
 # calls, the difference over 2000 (STYLE SYSTEM [PARAM], PARAM 64 unless
-# given: the size, or crowded's count of idle connections). Under the VM's CPU emulation time goes
-# with instructions, so this says where a small call's time goes, and it
-# does not drift between runs the way timings do. (perftest busy-polls, so
-# its count is its waiting time: no reference row.) Prints
-# "instructions,SYSTEM-STYLE,64,per_call,V,n", then the lock rows of
-# callgrind_locks.py.
+# given: the size, or crowded's count of idle connections). Under the VM's
+# CPU emulation time goes with instructions, so this says where a small
+# call's time goes, and it does not drift between runs the way timings do.
+# (perftest busy-polls, so its count is its waiting time: no reference
+# row.) Prints "instructions,SYSTEM-STYLE,PARAM,per_call,V,n", then the
+# lock rows of callgrind_locks.py.
 # stock-release-mutexes is stock gRPC with Abseil's debug deadlock detector
 # off, as rdmarpc's gRPC transports turn it off (release_mutexes.h).
 rpc_instructions() {

@@ -33,11 +33,11 @@
 // the peer timeout off and counts an inline handler as a stall only past
 // 1 s (RDMARPC_INLINE_STALL_US), for counting instructions under callgrind.
 //
-// RDMARPC_BENCH_CALLS=N makes latency, blocking, throughput and crowded make
-// exactly
-// N calls per size after the warm-up, untimed (for counting what N calls
-// cost: reading the clock around each call would add two system calls per
-// call in a VM whose clock source traps); their latency rows then read 0.
+// RDMARPC_BENCH_CALLS=N makes latency, blocking, throughput and crowded
+// make exactly N calls per size (per count) after the warm-up, untimed (for
+// counting what N calls cost: reading the clock around each call would add
+// two system calls per call in a VM whose clock source traps); their
+// latency rows then read 0.
 //
 // RDMARPC_BENCH_RELEASE_MUTEXES=1 turns Abseil's debug deadlock detector
 // off from the start, as rdmarpc's gRPC transports do: for stock gRPC on
