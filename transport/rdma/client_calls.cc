@@ -26,7 +26,8 @@ struct ClientRecord {
     kAwaitResponse,        // request delivered (or being written)
     kRegisteringResponse,  // large response landing registered aside
     kAwaitResponseData,    // response memory granted, server writing
-    kEndingGrant,          // written; large landing deregistered aside
+    kEndingGrant,          // written; windows invalidated, large landing
+                           // regions deregistered aside
   };
   internal::ClientCall call;
   OutgoingPayload out;
@@ -562,13 +563,15 @@ Status ClientEndpoint::OnResponse(const FrameView& frame, Outcomes* outcomes) {
       // Fault injection: a test holds the registration thread here.
       internal::fault::HoldWhileArmed("rdma.client.hold_registration",
                                       "rdma.client.registration_held");
-      Status registered =
-          RegisterLandingMemory(in.get(), conn.get(), /*window=*/false);
+      Status registered = RegisterLandingMemory(in.get(), conn.get());
       self->GrantRegistered(call_id, std::move(*in), std::move(registered));
     });
     return absl::OkStatus();
   }
   Status registered = RegisterLandingMemory(&r.in, conn_.get());
+  // A window's bind fails on a closing connection: as for the grant's
+  // send, OnClosed re-sends the call (the server keeps the response).
+  if (!registered.ok() && conn_->closed()) return absl::OkStatus();
   if (!registered.ok()) {
     FailResponseLocked(call_id, registered, server_waits, outcomes);
     return absl::OkStatus();
@@ -598,7 +601,9 @@ void ClientEndpoint::GrantRegistered(uint64_t call_id, IncomingPayload in,
       return;
     }
     it->second->stage = ClientRecord::Stage::kAwaitResponse;
-    if (!registered.ok()) {
+    if (!registered.ok() && conn_->closed()) {
+      // Left to OnClosed, which re-sends it (see OnResponse).
+    } else if (!registered.ok()) {
       FailResponseLocked(call_id, std::move(registered),
                          /*server_waits=*/true, &outcomes);
     } else {
@@ -652,51 +657,54 @@ Status ClientEndpoint::OnWriteLanded(uint32_t immediate) {
     RDMARPC_ASSIGN_OR_RETURN(uint64_t call_id, grants_.Redeem(immediate));
     ClientRecord& r = *calls_.at(call_id);
     r.grant_id = 0;
-    if (r.in.window) {
-      // The grant ends before the caller sees the bytes: once the window's
-      // invalidation completed (on this thread, later), or now if the
-      // connection is closing.
-      r.stage = ClientRecord::Stage::kEndingGrant;
+    // The grant ends before the caller sees the bytes: its windows once
+    // their invalidations completed (on this thread, later), or now if the
+    // connection is closing; then its regions.
+    r.stage = ClientRecord::Stage::kEndingGrant;
+    if (!r.in.windows.empty()) {
       // Fault injection: the connection fails once the response landed,
-      // before its window's invalidation is posted.
+      // before its windows' invalidations are posted.
       if (RDMARPC_FAULT("rdma.client.close_before_window_ends")) {
         conn_->Close(absl::UnavailableError("fault: closed after landing"),
                      "fault");
       }
       // `this` outlives it: the connection holds its handler until after
       // the last continuation (and it is small enough for no allocation).
-      if (r.in.window.End([this, call_id](Status) { FinishLanded(call_id); })) {
+      if (EndLandingWindows(
+              &r.in, [this, call_id](Status) { FinishLanded(call_id); })) {
         return absl::OkStatus();
       }
     }
-    if (r.landing_aside) {
-      // The grant ends before the caller sees the bytes, but unpinning
-      // its pages would hold the engine: deregistered aside, finished from
-      // there.
-      r.stage = ClientRecord::Stage::kEndingGrant;
-      // Fault injection: the connection fails while the landed response's
-      // memory is deregistered aside, which ends only once the close began.
-      const bool close_first = RDMARPC_FAULT("rdma.client.close_while_landing");
-      if (close_first) {
-        conn_->Close(absl::UnavailableError("fault: closed while landing"),
-                     "fault");
-      }
-      RunAside([self = shared_from_this(), call_id,
-                mrs = std::make_shared<std::vector<MemoryRegion>>(
-                    std::move(r.in.landing_mrs)),
-                conn = conn_, close_first] {
-        mrs->clear();
-        for (int i = 0; close_first && self->health().ok() && i < 5000; ++i) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        }
-        self->FinishLanded(call_id);
-      });
-      return absl::OkStatus();
-    }
+    if (DeregisterAsideLocked(call_id)) return absl::OkStatus();
     FinishLandedLocked(call_id, &outcomes);
   }
   Complete(std::move(outcomes));
   return absl::OkStatus();
+}
+
+bool ClientEndpoint::DeregisterAsideLocked(uint64_t call_id) {
+  ClientRecord& r = *calls_.at(call_id);
+  if (!r.landing_aside || !HoldsLandingRegions(r.in)) return false;
+  // Unpinning its pages would hold the engine: deregistered aside,
+  // finished from there.
+  // Fault injection: the connection fails while the landed response's
+  // memory is deregistered aside, which ends only once the close began.
+  const bool close_first = RDMARPC_FAULT("rdma.client.close_while_landing");
+  if (close_first) {
+    conn_->Close(absl::UnavailableError("fault: closed while landing"),
+                 "fault");
+  }
+  RunAside([self = shared_from_this(), call_id,
+            mrs = std::make_shared<std::vector<MemoryRegion>>(
+                std::move(r.in.landing_mrs)),
+            conn = conn_, close_first] {
+    mrs->clear();
+    for (int i = 0; close_first && self->health().ok() && i < 5000; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    self->FinishLanded(call_id);
+  });
+  return true;
 }
 
 void ClientEndpoint::FinishLandedLocked(uint64_t call_id, Outcomes* outcomes) {
@@ -720,6 +728,8 @@ void ClientEndpoint::FinishLanded(uint64_t call_id) {
         it->second->stage != ClientRecord::Stage::kEndingGrant) {
       return;
     }
+    // Its windows ended: regions registered aside go there next.
+    if (DeregisterAsideLocked(call_id)) return;
     FinishLandedLocked(call_id, &outcomes);
     landed_cv_.notify_all();
   }

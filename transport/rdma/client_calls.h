@@ -126,9 +126,14 @@ class ClientEndpoint final
   // From the registration thread (kRegisterAsideBytes): a large response's
   // landing memory is registered (or failed to be) ...
   void GrantRegistered(uint64_t call_id, IncomingPayload in, Status registered);
-  // ... and, once written, deregistered (there, or a window invalidated
-  // on the polling thread): finishes the call.
+  // ... and, once written, its windows invalidated (on the polling
+  // thread) and its regions registered aside deregistered there: finishes
+  // the call (at stage kEndingGrant).
   void FinishLanded(uint64_t call_id);
+  // A landed call whose regions were registered aside: drops them there,
+  // then FinishLanded. False (nothing to drop aside) leaves the call as it
+  // was. Requires mu_.
+  bool DeregisterAsideLocked(uint64_t call_id);
   // Once every response part is in: binds the response and its tensors,
   // ordered before the caller's CUDA stream when it named one.
   static Status AcceptResponse(ClientRecord& r);

@@ -610,6 +610,10 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
         std::lock_guard<std::mutex> lock(mu_);
         if (Posted* posted = FindPostedLocked(wc.wr_id)) {
           done = std::move(posted->done);
+          // An invalidation that failed may leave its window bound.
+          if (posted->window_mr != nullptr) {
+            KeepUntilWindowsGoLocked(std::move(posted->window_mr));
+          }
           ForgetPostedLocked(posted);
         }
       }
@@ -678,6 +682,8 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
   }
   std::function<void(Status)> done;
   Continuations sent;
+  MemoryRegion unbound;   // the registration an invalidation ended
+  TensorBuffer released;  // and its memory: a user's deleter may run
   Status s;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -690,6 +696,8 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
     uint32_t completed = posted->window_op ? 0 : 1;
     if (posted->window >= 0) {
       free_windows_.push_back(static_cast<uint32_t>(posted->window));
+      unbound = std::move(posted->window_mr);
+      released = std::move(posted->window_block);
     }
     ReleaseUnsignaledLocked(posted->seq, &completed, &sent);
     ForgetPostedLocked(posted);
@@ -698,6 +706,11 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
   }
   for (auto& f : sent) f(absl::OkStatus());
   if (done) done(absl::OkStatus());
+  if (unbound != nullptr) {
+    std::vector<MemoryRegion> mrs;
+    mrs.push_back(std::move(unbound));
+    DropWindowRegions(std::move(mrs));
+  }
   if (!s.ok()) Close(s, "post error");
 }
 
@@ -706,98 +719,144 @@ Connection::WindowGrant& Connection::WindowGrant::operator=(
   if (this != &o) {
     End(nullptr);
     conn_ = std::move(o.conn_);
+    reserved_ = std::exchange(o.reserved_, false);
     window_ = o.window_;
     rkey_ = o.rkey_;
     block_ = std::move(o.block_);
     o.block_ = TensorBuffer();
+    mr_ = std::move(o.mr_);
   }
   return *this;
 }
 
-bool Connection::WindowGrant::End(std::function<void(Status)> done) {
-  if (block_.empty()) return false;
+Status Connection::WindowGrant::Bind(TensorBuffer block, MemoryRegion mr) {
   std::shared_ptr<Connection> conn = conn_.lock();
-  bool ending = conn != nullptr && conn->EndWindow(*this, std::move(done));
-  // Ending: the invalidation's continuation holds the block now.
-  block_ = TensorBuffer();
+  if (!reserved_ || !block_.empty() || conn == nullptr) {
+    return absl::FailedPreconditionError(
+        "a landing window bound without a reservation");
+  }
+  return conn->BindReserved(*this, std::move(block), std::move(mr));
+}
+
+bool Connection::WindowGrant::End(std::function<void(Status)> done) {
+  if (!std::exchange(reserved_, false)) return false;
+  std::shared_ptr<Connection> conn = conn_.lock();
   conn_.reset();
-  return ending;
+  if (conn == nullptr) {
+    // The connection is gone, and its windows with it: the registration
+    // deregisters.
+    block_ = TensorBuffer();
+    mr_.reset();
+    return false;
+  }
+  if (block_.empty()) {
+    conn->GiveBackWindow(window_);
+    return false;
+  }
+  // Ending or not, the connection holds what the grant covered now.
+  return conn->EndWindow(*this, std::move(done));
+}
+
+Status Connection::TakeWindowLocked(uint32_t* window, bool* set_up) {
+  if (closed_.load()) return close_reason_;
+  if (res_.qp.get() == nullptr) {
+    return absl::UnavailableError("RDMA connection closed");
+  }
+  // Fault injection: a device without type-2 windows, so that landings
+  // are registered for remote write per call.
+  if (RDMARPC_FAULT("rdma.no_landing_windows")) {
+    return absl::UnimplementedError("fault: no landing windows");
+  }
+  switch (window_state_) {
+    case WindowState::kNotSetUp:
+      window_state_ = WindowState::kSettingUp;
+      *set_up = true;
+      [[fallthrough]];
+    case WindowState::kSettingUp:
+      return absl::UnavailableError(
+          "the landing arena is being registered on this connection");
+    case WindowState::kUnavailable:
+      return windows_unavailable_;
+    case WindowState::kReady:
+      break;
+  }
+  if (free_windows_.empty()) {
+    return absl::UnavailableError(
+        absl::StrCat("all ", kLandingWindows, " landing windows are in use"));
+  }
+  *window = free_windows_.back();
+  free_windows_.pop_back();
+  return absl::OkStatus();
+}
+
+Status Connection::BindWindowLocked(WindowGrant& grant, ibv_mr* mr,
+                                    const TensorBuffer& block) {
+  ibv_mw* mw = windows_[grant.window_].get();
+  const uint32_t rkey = ibv_inc_rkey(mw->rkey);
+  ibv_send_wr wr{};
+  wr.opcode = IBV_WR_BIND_MW;
+  wr.bind_mw.mw = mw;
+  wr.bind_mw.rkey = rkey;
+  wr.bind_mw.bind_info.mr = mr;
+  wr.bind_mw.bind_info.addr = reinterpret_cast<uintptr_t>(block.data());
+  wr.bind_mw.bind_info.length = block.size();
+  wr.bind_mw.bind_info.mw_access_flags = IBV_ACCESS_REMOTE_WRITE;
+  RDMARPC_RETURN_IF_ERROR(PostWindowOpLocked(wr, -1, nullptr));
+  // The window's key from now on. A type-2 bind posted on the queue pair
+  // leaves updating it to us, and providers (rxe) name the window by it
+  // in the next bind.
+  mw->rkey = rkey;
+  grant.rkey_ = rkey;
+  ++counters_.landing_windows;
+  return absl::OkStatus();
 }
 
 StatusOr<Connection::WindowGrant> Connection::GrantWindow(TensorBuffer block) {
   bool set_up = false;
   bool register_segment = false;
   int segment = -1;
-  StatusOr<WindowGrant> granted = absl::UnavailableError(
-      "the landing arena is being registered on this connection");
+  StatusOr<WindowGrant> granted = absl::UnavailableError("");
   Status posted;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (closed_.load()) return close_reason_;
-    if (res_.qp.get() == nullptr) {
-      return absl::UnavailableError("RDMA connection closed");
-    }
-    switch (window_state_) {
-      case WindowState::kNotSetUp:
-        window_state_ = WindowState::kSettingUp;
-        set_up = true;
-        break;
-      case WindowState::kSettingUp:
-        break;
-      case WindowState::kUnavailable:
-        granted = windows_unavailable_;
-        break;
-      case WindowState::kReady: {
+    uint32_t window = 0;
+    Status taken = [&]() -> Status {
+      if (closed_.load()) return close_reason_;
+      // The segment first: a window is taken only when it can be bound.
+      if (window_state_ == WindowState::kReady) {
         segment = LandingArena::Get()->SegmentOf(block.data());
         if (segment < 0) {
-          granted = absl::InternalError(
+          return absl::InternalError(
               "a landing window for memory outside the landing arena");
-          break;
         }
         if (arena_mrs_[segment] == nullptr) {
           if (!segment_unavailable_[segment].ok()) {
-            granted = segment_unavailable_[segment];
-            break;
+            return segment_unavailable_[segment];
           }
           const uint32_t bit = uint32_t{1} << segment;
           register_segment = (segments_registering_ & bit) == 0;
           segments_registering_ |= bit;
-          granted = absl::UnavailableError(absl::StrCat(
+          return absl::UnavailableError(absl::StrCat(
               "segment ", segment,
               " of the landing arena is being registered on this connection"));
-          break;
         }
-        if (free_windows_.empty()) {
-          granted = absl::UnavailableError(absl::StrCat(
-              "all ", kLandingWindows, " landing windows are in use"));
-          break;
-        }
-        const uint32_t index = free_windows_.back();
-        ibv_mw* mw = windows_[index].get();
-        const uint32_t rkey = ibv_inc_rkey(mw->rkey);
-        ibv_send_wr wr{};
-        wr.opcode = IBV_WR_BIND_MW;
-        wr.bind_mw.mw = mw;
-        wr.bind_mw.rkey = rkey;
-        wr.bind_mw.bind_info.mr = arena_mrs_[segment].get();
-        wr.bind_mw.bind_info.addr = reinterpret_cast<uintptr_t>(block.data());
-        wr.bind_mw.bind_info.length = block.size();
-        wr.bind_mw.bind_info.mw_access_flags = IBV_ACCESS_REMOTE_WRITE;
-        posted = PostWindowOpLocked(wr, -1, nullptr);
-        if (!posted.ok()) break;
-        free_windows_.pop_back();
-        // The window's key from now on. A type-2 bind posted on the queue
-        // pair leaves updating it to us, and providers (rxe) name the
-        // window by it in the next bind.
-        mw->rkey = rkey;
-        ++counters_.landing_windows;
-        WindowGrant grant;
-        grant.conn_ = weak_from_this();
-        grant.window_ = index;
-        grant.rkey_ = rkey;
+      }
+      return TakeWindowLocked(&window, &set_up);
+    }();
+    if (!taken.ok()) {
+      granted = std::move(taken);
+    } else {
+      WindowGrant grant;
+      grant.conn_ = weak_from_this();
+      grant.reserved_ = true;
+      grant.window_ = window;
+      posted = BindWindowLocked(grant, arena_mrs_[segment].get(), block);
+      if (posted.ok()) {
         grant.block_ = std::move(block);
         granted = std::move(grant);
-        break;
+      } else {
+        free_windows_.push_back(window);
+        grant.reserved_ = false;
       }
     }
   }
@@ -814,6 +873,48 @@ StatusOr<Connection::WindowGrant> Connection::GrantWindow(TensorBuffer block) {
     });
   }
   return granted;
+}
+
+StatusOr<Connection::WindowGrant> Connection::ReserveWindow() {
+  bool set_up = false;
+  uint32_t window = 0;
+  Status taken;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    taken = TakeWindowLocked(&window, &set_up);
+  }
+  if (set_up) {
+    RunAside([self = shared_from_this()] { self->SetUpLandingWindows(); });
+  }
+  if (!taken.ok()) return taken;
+  WindowGrant grant;
+  grant.conn_ = weak_from_this();
+  grant.reserved_ = true;
+  grant.window_ = window;
+  return grant;
+}
+
+Status Connection::BindReserved(WindowGrant& grant, TensorBuffer block,
+                                MemoryRegion mr) {
+  Status posted;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_.load()) return close_reason_;
+    posted = BindWindowLocked(grant, mr.get(), block);
+    if (posted.ok()) {
+      grant.block_ = std::move(block);
+      grant.mr_ = std::move(mr);
+      return absl::OkStatus();
+    }
+  }
+  Close(posted, "post error");
+  return posted;
+}
+
+void Connection::GiveBackWindow(uint32_t window) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Closed: FinishClose deallocated the windows, or will.
+  if (!closed_.load()) free_windows_.push_back(window);
 }
 
 void Connection::SetUpLandingWindows() {
@@ -907,7 +1008,7 @@ void Connection::RegisterArenaSegment(int segment) {
 
 Status Connection::PostWindowOpLocked(ibv_send_wr& wr, int window,
                                       std::function<void(Status)> done,
-                                      TensorBuffer block) {
+                                      TensorBuffer&& block, MemoryRegion&& mr) {
   RDMARPC_ASSIGN_OR_RETURN(wr.wr_id, NextWrIdLocked());
   wr.send_flags = IBV_SEND_SIGNALED;
   ibv_send_wr* bad = nullptr;
@@ -922,27 +1023,62 @@ Status Connection::PostWindowOpLocked(ibv_send_wr& wr, int window,
   posted->window_op = true;
   posted->window = window;
   posted->window_block = std::move(block);
+  posted->window_mr = std::move(mr);
   return absl::OkStatus();
 }
 
 bool Connection::EndWindow(WindowGrant& grant,
                            std::function<void(Status)> done) {
   Status posted;
+  // Let go of after the lock: a user's deleter may run.
+  TensorBuffer released = std::move(grant.block_);
+  grant.block_ = TensorBuffer();
   {
     std::lock_guard<std::mutex> lock(mu_);
     // Closed: rdma_disconnect moved the queue pair to the error state, so
     // nothing writes through the window any more.
-    if (closed_.load() || res_.qp.get() == nullptr) return false;
+    if (closed_.load() || res_.qp.get() == nullptr) {
+      if (grant.mr_ != nullptr) KeepUntilWindowsGoLocked(std::move(grant.mr_));
+      return false;
+    }
     ibv_send_wr wr{};
     wr.opcode = IBV_WR_LOCAL_INV;
     wr.invalidate_rkey = grant.rkey_;
-    posted = PostWindowOpLocked(wr, static_cast<int>(grant.window_),
-                                std::move(done), std::move(grant.block_));
+    posted =
+        PostWindowOpLocked(wr, static_cast<int>(grant.window_), std::move(done),
+                           std::move(released), std::move(grant.mr_));
+    if (!posted.ok() && grant.mr_ != nullptr) {
+      // Not posted: the window stays bound until FinishClose deallocates
+      // it.
+      KeepUntilWindowsGoLocked(std::move(grant.mr_));
+    }
   }
   if (posted.ok()) return true;
-  // Not posted: closing the connection takes the queue pair's access.
+  // Closing the connection takes the queue pair's access.
   Close(posted, "post error");
   return false;
+}
+
+void Connection::KeepUntilWindowsGoLocked(MemoryRegion mr) {
+  if (!windows_.empty()) {
+    regions_under_windows_.push_back(std::move(mr));
+    return;
+  }
+  // FinishClose deallocated the windows already (or there were none).
+  std::vector<MemoryRegion> mrs;
+  mrs.push_back(std::move(mr));
+  DeregisterAside(std::move(mrs), shared_from_this());
+}
+
+void Connection::DropWindowRegions(std::vector<MemoryRegion> mrs) {
+  std::vector<MemoryRegion> large;
+  for (MemoryRegion& mr : mrs) {
+    if (mr != nullptr && mr->length >= kRegisterAsideBytes) {
+      large.push_back(std::move(mr));
+    }
+  }
+  mrs.clear();  // the small ones, here
+  DeregisterAside(std::move(large), shared_from_this());
 }
 
 Status Connection::CloseReason() const {
@@ -1001,6 +1137,14 @@ bool Connection::FinishClose() {
     // 50 s to destroy it): the windows go first.
     windows_.clear();
     free_windows_.clear();
+    // Their registrations deregister now; large ones take long (aside).
+    std::vector<MemoryRegion> window_mrs = std::move(regions_under_windows_);
+    for (Posted& posted : posted_) {
+      if (posted.window_mr != nullptr) {
+        window_mrs.push_back(std::move(posted.window_mr));
+      }
+    }
+    DeregisterAside(std::move(window_mrs), shared_from_this());
     window_state_ = WindowState::kUnavailable;
     windows_unavailable_ = absl::UnavailableError("RDMA connection closed");
     // Unpinning up to the arena's limit takes long: aside, holding this

@@ -234,12 +234,16 @@ class Connection : public std::enable_shared_from_this<Connection>,
   std::chrono::steady_clock::time_point NotStillBefore(
       std::chrono::steady_clock::time_point now) const;
 
-  // Remote-write access for one grant to a block of the landing arena
-  // (landing_arena.h) through a type-2 memory window of this connection:
-  // only this queue pair can write through it, and only until it ends.
-  // Ending it posts an invalidation; the block goes back to the arena only
-  // once that completed or the queue pair is gone, whoever still holds
-  // views of it. Destroying it ends it too. Move-only.
+  // Remote-write access for one grant through a type-2 memory window of
+  // this connection: only this queue pair can write through it, and only
+  // until it ends. It covers a block of the landing arena
+  // (landing_arena.h), or memory registered for this one grant
+  // (LOCAL_WRITE | MW_BIND, no remote access of its own), which the grant
+  // then owns. Ending it posts an invalidation; the block goes back to the
+  // arena, and a registration is dropped (aside from kRegisterAsideBytes),
+  // only once that completed or the connection's windows are gone,
+  // whoever still holds views of the memory. Destroying it ends it too; a
+  // reserved window (ReserveWindow) not bound yet is given back. Move-only.
   class WindowGrant {
    public:
     WindowGrant() = default;
@@ -247,22 +251,34 @@ class Connection : public std::enable_shared_from_this<Connection>,
     WindowGrant& operator=(WindowGrant&& o) noexcept;
     ~WindowGrant() { End(nullptr); }
 
+    // Bound: the peer may write through rkey().
     explicit operator bool() const { return !block_.empty(); }
     uint32_t rkey() const { return rkey_; }
+
+    // Binds the reserved window over `block`, which `mr` (registered with
+    // IBV_ACCESS_MW_BIND in this connection's domain) covers; the grant
+    // keeps both. The bind is posted now, so it comes before any frame
+    // queued after this returns. An error (the connection closed, or the
+    // post failed, which closes it) leaves the window reserved and drops
+    // `mr` (never bound, so it deregisters) with `block`.
+    [[nodiscard]] Status Bind(TensorBuffer block, MemoryRegion mr);
 
     // Ends the access. True: `done` runs once on the polling thread, when
     // the peer can no longer write through the window (OK), or with the
     // error that closed the connection (its queue pair is gone then).
-    // False when the connection is closed already: its queue pair no
-    // longer takes writes, and `done` never runs.
+    // False when the connection is closed already (its queue pair no
+    // longer takes writes) or the window was never bound: `done` never
+    // runs.
     bool End(std::function<void(Status)> done);
 
    private:
     friend class Connection;
     std::weak_ptr<Connection> conn_;
+    bool reserved_ = false;  // holds window_, bound or not
     uint32_t window_ = 0;
     uint32_t rkey_ = 0;
     TensorBuffer block_;
+    MemoryRegion mr_;  // null over the arena
   };
   // Binds a window over `block` (a block of the landing arena) for remote
   // write; the bind is posted now, so it comes before any frame queued
@@ -272,6 +288,11 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // locked-memory limit too low for the arena, or every window in use, it
   // says so. The caller then registers the block for the grant instead.
   [[nodiscard]] StatusOr<WindowGrant> GrantWindow(TensorBuffer block);
+  // Takes a window for memory registered for one grant, bound later
+  // (WindowGrant::Bind; the registration may run aside meanwhile). Fails
+  // as GrantWindow does when no window can be had; the caller then
+  // registers that memory for remote write instead.
+  [[nodiscard]] StatusOr<WindowGrant> ReserveWindow();
 
   // Counters for tests and stats (waits_for_credit: times a frame or write
   // had to wait for a peer receive or a send slot).
@@ -329,9 +350,10 @@ class Connection : public std::enable_shared_from_this<Connection>,
     // window (kWindowWorkRequests), and an invalidation frees its window.
     bool window_op = false;
     int window = -1;
-    // An invalidation's landing-arena block: released with the slot, once
-    // the peer can no longer write into it.
+    // An invalidation's memory: released with the slot, once the peer can
+    // no longer write into it (a registration once its window is gone too).
     TensorBuffer window_block = {};
+    MemoryRegion window_mr = {};
   };
 
   friend class CompletionGroup;
@@ -379,13 +401,31 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // GrantWindow starts it when a block of that segment is first granted).
   void RegisterArenaSegment(int segment);
   // Posts a bind or invalidation of window `window` (wr.opcode and its
-  // fields set); `done` runs as for a frame's `sent`, and `block` is held
-  // until then.
+  // fields set); `done` runs as for a frame's `sent`, and `block` and `mr`
+  // are held until then (moved from only when the post succeeded).
   Status PostWindowOpLocked(ibv_send_wr& wr, int window,
                             std::function<void(Status)> done,
-                            TensorBuffer block = {});
-  // WindowGrant::End: false when the queue pair no longer takes writes.
+                            TensorBuffer&& block = {}, MemoryRegion&& mr = {});
+  // Takes a free window for a grant: OK, or why none can be had (and
+  // whether the windows' set-up must start, aside).
+  Status TakeWindowLocked(uint32_t* window, bool* set_up);
+  // Posts the bind of `grant`'s reserved window over `block` in `mr`.
+  Status BindWindowLocked(WindowGrant& grant, ibv_mr* mr,
+                          const TensorBuffer& block);
+  // WindowGrant::Bind and End: End is false when the queue pair no longer
+  // takes writes (the grant's memory is let go then, its registration
+  // kept until the windows are gone).
+  Status BindReserved(WindowGrant& grant, TensorBuffer block, MemoryRegion mr);
   bool EndWindow(WindowGrant& grant, std::function<void(Status)> done);
+  void GiveBackWindow(uint32_t window);
+  // A registration a window may still be bound over: deregistering it
+  // fails until the window is invalidated or deallocated, so it waits for
+  // FinishClose (which deallocates the windows) when they are still here.
+  void KeepUntilWindowsGoLocked(MemoryRegion mr);
+  // Drops registrations whose windows are invalidated or gone: here, or
+  // aside from kRegisterAsideBytes (holding this connection, so its
+  // domain, until then).
+  void DropWindowRegions(std::vector<MemoryRegion> mrs);
   Status CloseReason() const;
   void HandleCompletion(const ibv_wc& wc);
   void Fail(const std::string& what);
@@ -445,6 +485,10 @@ class Connection : public std::enable_shared_from_this<Connection>,
   uint64_t arena_pinned_ = 0;  // their bytes, counted in the process's budget
   uint32_t segments_registering_ = 0;
   std::array<Status, LandingArena::kMaxSegments> segment_unavailable_;
+  // Registrations a window may still be bound over, kept until
+  // FinishClose deallocates the windows (KeepUntilWindowsGoLocked).
+  // Declared before windows_, so they go after them.
+  std::vector<MemoryRegion> regions_under_windows_;
   std::vector<MemoryWindow> windows_;
   std::vector<uint32_t> free_windows_;
 };

@@ -1,10 +1,14 @@
 #include "transport/rdma/payload.h"
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
+#include <functional>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/fault_injection.h"
 #include "runtime/tensor_walk.h"
 #include "runtime/thread_pool.h"
 #include "transport/rdma/landing_arena.h"
@@ -402,43 +406,98 @@ bool InBlock(const TensorBuffer& block, const TensorBuffer& part) {
 }  // namespace
 
 bool GrantThroughWindow(IncomingPayload* in, Connection* conn) {
-  if (in->arena_block.empty() || in->window) return false;
+  if (in->arena_block.empty() || !in->windows.empty()) return false;
   for (const TensorBuffer& landing : in->landing) {
     if (!InBlock(in->arena_block, landing)) return false;
   }
   StatusOr<Connection::WindowGrant> window = conn->GrantWindow(in->arena_block);
   if (!window.ok()) return false;
-  in->window = *std::move(window);
+  in->windows.push_back(*std::move(window));
   return true;
 }
 
-Status RegisterLandingMemory(IncomingPayload* in, Connection* conn,
-                             bool window) {
-  if (window && !in->arena_block.empty() && !in->window) {
+Status RegisterLandingMemory(IncomingPayload* in, Connection* conn) {
+  // The arena block's window, when there is one, is the first.
+  if (!in->arena_block.empty() && in->windows.empty()) {
     // Without a window (none free, or none on this device) the block is
     // registered per call like any other landing memory.
     StatusOr<Connection::WindowGrant> window =
         conn->GrantWindow(in->arena_block);
-    if (window.ok()) in->window = *std::move(window);
+    if (window.ok()) in->windows.push_back(*std::move(window));
   }
+  const bool arena_windowed = !in->arena_block.empty() && !in->windows.empty();
   for (size_t k = 0; k < in->landing.size(); ++k) {
-    if (in->window && InBlock(in->arena_block, in->landing[k])) {
-      in->landing_mrs.emplace_back();  // the window grants it
+    const TensorBuffer& landing = in->landing[k];
+    const PayloadMover* mover = in->landing_movers[k];
+    if (arena_windowed && InBlock(in->arena_block, landing)) {
+      in->landing_mrs.emplace_back();
+      in->landing_rkeys.push_back(in->windows.front().rkey());
       continue;
     }
+    if (mover->LandsThroughWindows()) {
+      StatusOr<Connection::WindowGrant> window = conn->ReserveWindow();
+      if (window.ok()) {
+        RDMARPC_ASSIGN_OR_RETURN(
+            MemoryRegion mr, mover->RegisterLanding(conn->pd(), landing,
+                                                    LandingAccess::kWindow));
+        // Fault injection: the connection starts closing meanwhile (a
+        // registration aside takes long), so the bind fails.
+        if (RDMARPC_FAULT("rdma.close_before_window_bind")) {
+          conn->Close(absl::UnavailableError("fault: closed before a bind"),
+                      "fault");
+        }
+        RDMARPC_RETURN_IF_ERROR(window->Bind(landing, std::move(mr)));
+        in->landing_mrs.emplace_back();
+        in->landing_rkeys.push_back(window->rkey());
+        in->windows.push_back(*std::move(window));
+        continue;
+      }
+    }
     RDMARPC_ASSIGN_OR_RETURN(
-        MemoryRegion mr,
-        in->landing_movers[k]->RegisterLanding(conn->pd(), in->landing[k]));
+        MemoryRegion mr, mover->RegisterLanding(conn->pd(), landing,
+                                                LandingAccess::kRemoteWrite));
+    in->landing_rkeys.push_back(mr->rkey);
     in->landing_mrs.push_back(std::move(mr));
   }
   return absl::OkStatus();
+}
+
+bool EndLandingWindows(IncomingPayload* in, std::function<void(Status)> done) {
+  if (in->windows.size() == 1) {
+    const bool ending = in->windows.front().End(std::move(done));
+    in->windows.clear();
+    return ending;
+  }
+  if (in->windows.empty()) return false;
+  // The last to end runs `done`; the count holds one more for this loop,
+  // so that `done` runs only if one of them is still ending after it.
+  struct Ending {
+    std::atomic<size_t> left;
+    std::function<void(Status)> done;
+  };
+  auto ending = std::make_shared<Ending>();
+  ending->left.store(in->windows.size() + 1);
+  ending->done = std::move(done);
+  auto one_ended = [ending](Status) {
+    if (ending->left.fetch_sub(1) == 1) ending->done(absl::OkStatus());
+  };
+  for (Connection::WindowGrant& window : in->windows) {
+    if (!window.End(one_ended)) ending->left.fetch_sub(1);
+  }
+  in->windows.clear();
+  return ending->left.fetch_sub(1) != 1;
+}
+
+bool HoldsLandingRegions(const IncomingPayload& in) {
+  return std::any_of(in.landing_mrs.begin(), in.landing_mrs.end(),
+                     [](const MemoryRegion& mr) { return mr != nullptr; });
 }
 
 void AddGrantRegions(const IncomingPayload& in, Grant* grant) {
   for (size_t k = 0; k < in.landing.size(); ++k) {
     Region* r = grant->add_regions();
     r->set_addr(reinterpret_cast<uintptr_t>(in.landing[k].data()));
-    r->set_rkey(in.landing_mrs[k] ? in.landing_mrs[k]->rkey : in.window.rkey());
+    r->set_rkey(in.landing_rkeys[k]);
     r->set_length(in.landing[k].size());
   }
 }
@@ -466,7 +525,7 @@ StatusOr<internal::IncomingResult> FinishPayload(
     const internal::ConsumerStream* consumer) {
   // The grant ends here: the peer can no longer write into this memory.
   // A window is ended before (it takes a completion), by the endpoint.
-  if (in->window) {
+  if (!in->windows.empty()) {
     return absl::InternalError("landed bytes read while their window is open");
   }
   in->landing_mrs.clear();

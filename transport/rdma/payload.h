@@ -119,13 +119,18 @@ struct IncomingPayload {
   // index of each.
   std::vector<TensorBuffer> landing;
   std::vector<size_t> landing_part;
-  // Per landing: its registration, or null where `window` grants it.
+  // Per landing: its registration for remote write, or null where a
+  // window grants it; and the key the grant names.
   std::vector<MemoryRegion> landing_mrs;
-  // The landing-arena block that the call's host landings share, and the
-  // window that grants it (when the connection had one free). The
-  // endpoint ends the window before FinishPayload reads the bytes.
+  absl::InlinedVector<uint32_t, 2> landing_rkeys;
+  // The landing-arena block that the call's host landings share.
   TensorBuffer arena_block;
-  Connection::WindowGrant window;
+  // The windows that grant landings (when the connection had them free):
+  // one over the arena block, one over each other landing whose memory is
+  // registered for this grant (the window owns that registration). The
+  // endpoint ends them (EndLandingWindows) before FinishPayload reads the
+  // bytes.
+  absl::InlinedVector<Connection::WindowGrant, 1> windows;
   // Per landing: how its bytes move (payload_mover.h).
   std::vector<const PayloadMover*> landing_movers;
   // Per landing: for a pinned staging buffer, the GPU buffer the bytes go
@@ -155,15 +160,14 @@ struct IncomingPayload {
     const google::protobuf::Message* prototype, const GpuAccess& gpu,
     IncomingPayload* in);
 
-// Grants in.landing remote write for the grant's lifetime: the arena
-// block through a window of `conn` where one is free (unless
-// GrantThroughWindow did already, or `window` is false), the rest (or all)
-// registered per call. Registrations of 1 MiB or more run aside with
-// `window` false: a call that holds no window ends its grant by dropping
-// its registrations, which then happens aside too.
+// Grants in.landing remote write for the grant's lifetime, through
+// windows of `conn` where it has them free: the arena block through one
+// (unless GrantThroughWindow did already), each other landing whose mover
+// allows it through one over its own registration (LandingAccess::kWindow);
+// the rest registered for remote write. Landings of 1 MiB or more are
+// registered aside (the caller runs this there).
 [[nodiscard]] Status RegisterLandingMemory(IncomingPayload* in,
-                                           Connection* conn,
-                                           bool window = true);
+                                           Connection* conn);
 
 // Grants the whole landing through one window of `conn` when every part
 // lands in the arena's block and a window is free: true if so, and then
@@ -171,6 +175,16 @@ struct IncomingPayload {
 // grant a landing of any size without pinning a page. False leaves `in`
 // as it was.
 bool GrantThroughWindow(IncomingPayload* in, Connection* conn);
+
+// Ends every window of in.windows (and empties it). True: `done` runs
+// once, on the polling thread, when the last of them ended (as
+// Connection::WindowGrant::End says); false: none was left open (there
+// were none, or the connection is closed) and `done` never runs.
+bool EndLandingWindows(IncomingPayload* in, std::function<void(Status)> done);
+
+// Whether `in` holds registrations for remote write (dropped aside for a
+// landing registered aside, once written).
+bool HoldsLandingRegions(const IncomingPayload& in);
 
 // Regions for a grant of `in.landing`.
 void AddGrantRegions(const IncomingPayload& in, Grant* grant);

@@ -62,9 +62,11 @@ class HostMover final : public PayloadMover {
     if (!supplied.empty()) return supplied;
     return AllocateHostLanding(size);
   }
-  StatusOr<MemoryRegion> RegisterLanding(
-      ibv_pd* pd, const TensorBuffer& landing) const override {
-    return rdma::RegisterLanding(pd, landing.data(), landing.size());
+  bool LandsThroughWindows() const override { return true; }
+  StatusOr<MemoryRegion> RegisterLanding(ibv_pd* pd,
+                                         const TensorBuffer& landing,
+                                         LandingAccess access) const override {
+    return rdma::RegisterLanding(pd, landing.data(), landing.size(), access);
   }
   Status AfterLanded(const TensorBuffer&) const override {
     return absl::OkStatus();
@@ -109,8 +111,12 @@ class GpuDirectMover final : public PayloadMover {
     }
     return landing;
   }
-  StatusOr<MemoryRegion> RegisterLanding(
-      ibv_pd* pd, const TensorBuffer& landing) const override {
+  // Windows over dma-buf and peer-memory regions were never tried on a
+  // device: GPU landings keep regions of their own.
+  bool LandsThroughWindows() const override { return false; }
+  StatusOr<MemoryRegion> RegisterLanding(ibv_pd* pd,
+                                         const TensorBuffer& landing,
+                                         LandingAccess) const override {
     if (landing.size() >= kRegisterAsideBytes) {
       RDMARPC_RETURN_IF_ERROR(
           internal::CudaWaitForClears(landing.device().index));
@@ -160,12 +166,14 @@ class GpuStagingMover final : public PayloadMover {
     if (size < kRegisterAsideBytes) std::memset(landing.data(), 0, size);
     return landing;
   }
-  StatusOr<MemoryRegion> RegisterLanding(
-      ibv_pd* pd, const TensorBuffer& landing) const override {
+  bool LandsThroughWindows() const override { return true; }
+  StatusOr<MemoryRegion> RegisterLanding(ibv_pd* pd,
+                                         const TensorBuffer& landing,
+                                         LandingAccess access) const override {
     if (landing.size() >= kRegisterAsideBytes) {
       std::memset(landing.data(), 0, landing.size());
     }
-    return rdma::RegisterLanding(pd, landing.data(), landing.size());
+    return rdma::RegisterLanding(pd, landing.data(), landing.size(), access);
   }
   Status AfterLanded(const TensorBuffer&) const override {
     return absl::OkStatus();  // the copy to the GPU follows

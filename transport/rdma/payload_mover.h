@@ -79,9 +79,13 @@ class PayloadMover {
   [[nodiscard]] virtual StatusOr<TensorBuffer> AllocateLanding(
       Device device, uint64_t size, TensorBuffer supplied,
       TensorBuffer* staged_to) const = 0;
-  // Its registration for remote writes, for the grant's lifetime.
+  // Whether its landing memory may be granted through a memory window
+  // (registered with LandingAccess::kWindow).
+  virtual bool LandsThroughWindows() const = 0;
+  // Its registration for the grant's lifetime, for remote writes or for a
+  // window bound over it.
   [[nodiscard]] virtual StatusOr<MemoryRegion> RegisterLanding(
-      ibv_pd* pd, const TensorBuffer& landing) const = 0;
+      ibv_pd* pd, const TensorBuffer& landing, LandingAccess access) const = 0;
   // The bytes landed in `landing`: makes them visible to their reader.
   [[nodiscard]] virtual Status AfterLanded(
       const TensorBuffer& landing) const = 0;

@@ -155,9 +155,13 @@ void RegistrationCache::Clear() {
   by_base_.clear();
 }
 
-StatusOr<MemoryRegion> RegisterLanding(ibv_pd* pd, void* addr, size_t size) {
-  return RegisterMemory(pd, addr, size,
-                        IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+StatusOr<MemoryRegion> RegisterLanding(ibv_pd* pd, void* addr, size_t size,
+                                       LandingAccess access) {
+  return RegisterMemory(
+      pd, addr, size,
+      IBV_ACCESS_LOCAL_WRITE |
+          (access == LandingAccess::kWindow ? IBV_ACCESS_MW_BIND
+                                            : IBV_ACCESS_REMOTE_WRITE));
 }
 
 void RunAside(std::function<void()> task) {

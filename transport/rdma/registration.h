@@ -67,9 +67,16 @@ class RegistrationCache
   std::atomic<uint64_t> misses_{0};
 };
 
-// Registers landing memory for one grant: remote write and local write.
+// How landing memory for one grant is reached by the peer.
+enum class LandingAccess {
+  kRemoteWrite,  // through the region's own rkey
+  kWindow,       // only through a memory window bound over it
+};
+// Registers landing memory for one grant: local write, and remote write
+// or window binding.
 [[nodiscard]] StatusOr<MemoryRegion> RegisterLanding(ibv_pd* pd, void* addr,
-                                                     size_t size);
+                                                     size_t size,
+                                                     LandingAccess access);
 
 // Registering, deregistering or freeing this many bytes or more pins,
 // unpins or unmaps every page (hundreds of milliseconds per GiB): too slow

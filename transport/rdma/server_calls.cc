@@ -38,7 +38,8 @@ struct ServerRecord {
   enum class Stage {
     kRegistering,       // large landing memory being registered aside
     kAwaitRequestData,  // landing memory granted, client writing
-    kEndingGrant,       // written; large landing deregistered aside
+    kEndingGrant,       // written; windows invalidated, large landing
+                        // regions deregistered aside
     kRunning,           // handler queued or running
     kAwaitResponseGrant,
     kWritingResponse,
@@ -301,8 +302,7 @@ Status ServerEndpoint::AdmitRequest(const FrameView& frame, ReadyCalls* ready) {
       // Fault injection: a test holds the registration thread here.
       internal::fault::HoldWhileArmed("rdma.server.hold_registration",
                                       "rdma.server.registration_held");
-      Status registered =
-          RegisterLandingMemory(in.get(), conn.get(), /*window=*/false);
+      Status registered = RegisterLandingMemory(in.get(), conn.get());
       self->GrantRegistered(call_id, state, std::move(*in),
                             std::move(registered));
     });
@@ -314,13 +314,14 @@ Status ServerEndpoint::AdmitRequest(const FrameView& frame, ReadyCalls* ready) {
     FailLocked(call_id, registered, /*not_executed=*/true);
     return absl::OkStatus();
   }
-  if (r.in.window) shared_->landing_windows.fetch_add(1);
   GrantLocked(call_id);
   return absl::OkStatus();
 }
 
 void ServerEndpoint::GrantLocked(uint64_t call_id) {
   ServerRecord& r = *calls_.at(call_id);
+  shared_->landing_windows.fetch_add(r.in.windows.size(),
+                                     std::memory_order_relaxed);
   Grant grant = grants_.Issue(call_id, r.in);
   r.grant_id = grant.grant_id();
   r.stage = ServerRecord::Stage::kAwaitRequestData;
@@ -365,9 +366,26 @@ void ServerEndpoint::DispatchAfterGrant(
             static_cast<int>(ServerRecord::Stage::kEndingGrant)) == nullptr) {
       return;
     }
+    // Its windows ended: regions registered aside go there next.
+    if (DeregisterAsideLocked(call_id)) return;
     DispatchLocked(call_id);
   }
   ExecuteReady();
+}
+
+bool ServerEndpoint::DeregisterAsideLocked(uint64_t call_id) {
+  ServerRecord& r = *calls_.at(call_id);
+  if (!r.landing_aside || !HoldsLandingRegions(r.in)) return false;
+  // Unpinning its pages would hold the engine: deregistered aside,
+  // dispatched from there.
+  RunAside([self = shared_from_this(), call_id, state = r.state,
+            mrs = std::make_shared<std::vector<MemoryRegion>>(
+                std::move(r.in.landing_mrs)),
+            conn = conn_] {
+    mrs->clear();
+    self->DispatchAfterGrant(call_id, state);
+  });
+  return true;
 }
 
 Status ServerEndpoint::LandWrite(uint32_t immediate) {
@@ -378,41 +396,25 @@ Status ServerEndpoint::LandWrite(uint32_t immediate) {
   if (r.stage != ServerRecord::Stage::kAwaitRequestData) {
     return absl::InvalidArgumentError("write landed for a running call");
   }
-  if (r.in.window) {
-    // The grant ends before the handler reads the bytes: once the
-    // window's invalidation completed (on this thread, later), or now if
-    // the connection is closing.
-    r.stage = ServerRecord::Stage::kEndingGrant;
-    // `this` outlives it: the connection holds its handler until after the
-    // last continuation (and it is small enough for no allocation).
-    if (r.in.window.End([this, call_id](Status) {
-          std::shared_ptr<internal::ServerCallState> state;
-          {
-            std::lock_guard<std::mutex> lock(mu_);
-            auto it = calls_.find(call_id);
-            if (it == calls_.end()) return;
-            state = it->second->state;
-          }
-          DispatchAfterGrant(call_id, state);
-        })) {
-      return absl::OkStatus();
-    }
-    r.stage = ServerRecord::Stage::kAwaitRequestData;
-  }
-  if (r.landing_aside) {
-    // The grant ends before the handler reads the bytes, but unpinning
-    // its pages would hold the engine: deregistered aside, dispatched from
-    // there.
-    r.stage = ServerRecord::Stage::kEndingGrant;
-    RunAside([self = shared_from_this(), call_id, state = r.state,
-              mrs = std::make_shared<std::vector<MemoryRegion>>(
-                  std::move(r.in.landing_mrs)),
-              conn = conn_] {
-      mrs->clear();
-      self->DispatchAfterGrant(call_id, state);
-    });
+  // The grant ends before the handler reads the bytes: its windows once
+  // their invalidations completed (on this thread, later), or now if the
+  // connection is closing; then its regions.
+  r.stage = ServerRecord::Stage::kEndingGrant;
+  // `this` outlives it: the connection holds its handler until after the
+  // last continuation (and it is small enough for no allocation).
+  if (EndLandingWindows(&r.in, [this, call_id](Status) {
+        std::shared_ptr<internal::ServerCallState> state;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          auto it = calls_.find(call_id);
+          if (it == calls_.end()) return;
+          state = it->second->state;
+        }
+        DispatchAfterGrant(call_id, state);
+      })) {
     return absl::OkStatus();
   }
+  if (DeregisterAsideLocked(call_id)) return absl::OkStatus();
   DispatchLocked(call_id);
   return absl::OkStatus();
 }

@@ -112,11 +112,16 @@ class ServerEndpoint final
   void GrantRegistered(uint64_t call_id,
                        const std::shared_ptr<internal::ServerCallState>& state,
                        IncomingPayload in, Status registered);
-  // ... and, once written, deregistered (there, or a window invalidated
-  // on the polling thread): dispatches the call.
+  // ... and, once written, its windows invalidated (on the polling
+  // thread) and its regions registered aside deregistered there:
+  // dispatches the call (at stage kEndingGrant).
   void DispatchAfterGrant(
       uint64_t call_id,
       const std::shared_ptr<internal::ServerCallState>& state);
+  // A landed call whose regions were registered aside: drops them there,
+  // then DispatchAfterGrant. False (nothing to drop aside) leaves the call
+  // as it was. Requires mu_.
+  bool DeregisterAsideLocked(uint64_t call_id);
   // The call's record if it may still be answered. Else null, the call
   // ended: a logged call's outcome kept for its re-send when disconnected,
   // or an error response sent (deadline passed, handler error in `status`,

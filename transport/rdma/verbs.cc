@@ -7,7 +7,9 @@
 #include <poll.h>
 #include <sys/resource.h>
 
+#include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
@@ -27,7 +29,25 @@ std::string LimitText(rlim_t limit) {
 
 int LastErrno(int fallback = EIO) { return errno != 0 ? errno : fallback; }
 
+std::atomic<uint64_t> failed_deregistrations{0};
+
 }  // namespace
+
+void MemoryRegionDeleter::operator()(ibv_mr* mr) const {
+  if (mr == nullptr) return;
+  const size_t length = mr->length;
+  if (int rc = ibv_dereg_mr(mr); rc != 0) {
+    failed_deregistrations.fetch_add(1, std::memory_order_relaxed);
+    std::fprintf(stderr,
+                 "rdmarpc: ibv_dereg_mr of a %zu-byte region failed: %s "
+                 "(errno %d); its pages stay pinned\n",
+                 length, std::strerror(rc), rc);
+  }
+}
+
+uint64_t FailedDeregistrations() {
+  return failed_deregistrations.load(std::memory_order_relaxed);
+}
 
 CmQueuePair& CmQueuePair::operator=(CmQueuePair&& other) noexcept {
   if (this != &other) {

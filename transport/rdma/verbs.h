@@ -55,7 +55,15 @@ using ProtectionDomain = std::unique_ptr<ibv_pd, VerbsDeleter<ibv_dealloc_pd>>;
 using CompletionChannel =
     std::unique_ptr<ibv_comp_channel, VerbsDeleter<ibv_destroy_comp_channel>>;
 using CompletionQueue = std::unique_ptr<ibv_cq, VerbsDeleter<ibv_destroy_cq>>;
-using MemoryRegion = std::unique_ptr<ibv_mr, VerbsDeleter<ibv_dereg_mr>>;
+// Deregisters; a refusal (a type-2 window still bound over the region,
+// say) leaves the pages pinned for the process's life, so it is counted
+// (FailedDeregistrations) and reported on stderr.
+struct MemoryRegionDeleter {
+  void operator()(ibv_mr* mr) const;
+};
+using MemoryRegion = std::unique_ptr<ibv_mr, MemoryRegionDeleter>;
+// Deregistrations the device refused, over the process's life.
+uint64_t FailedDeregistrations();
 // ibv_dealloc_mw is a static inline function: wrapped, so the handle's
 // type has external linkage.
 struct MemoryWindowDeleter {

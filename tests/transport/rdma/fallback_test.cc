@@ -18,6 +18,8 @@
 
 #include "e2e_fixture.h"
 #include "runtime/fault_injection.h"
+#include "transport/rdma/registration.h"
+#include "transport/rdma/verbs.h"
 
 namespace rdmarpc_test {
 namespace {
@@ -74,6 +76,20 @@ class FallbackTest : public ::testing::Test {
     EXPECT_TRUE(out.ok() && out->size() == size &&
                 std::memcmp(out->data(), bytes.data(), size) == 0);
     return ctx.stats().transport;
+  }
+
+  // Echoes of `size` bytes (landing in `landing`, if given) until the
+  // channel's grants use memory windows, which a connection sets up aside
+  // after its first landing.
+  void EchoUntilWindowsAreUsed(rdmarpc::Channel* channel, size_t size,
+                               uint8_t* landing) {
+    auto until = std::chrono::steady_clock::now() + 60s;
+    do {
+      ASSERT_EQ(Echo(channel, size, nullptr, landing),
+                rdmarpc::TransportKind::kRdma);
+    } while (channel->transport_stats().rdma_landing_windows == 0 &&
+             std::chrono::steady_clock::now() < until);
+    ASSERT_GT(channel->transport_stats().rdma_landing_windows, 0u);
   }
 
   // The fault closed `channel`'s connection (the call may finish before
@@ -342,12 +358,37 @@ TEST_F(FallbackTest, GrantSendFailingOnAClosingConnectionResendsTheCall) {
   EXPECT_GE(server_->call_log_stats().repeats_answered, 1u);
 }
 
-TEST_F(FallbackTest, ResponseLandedBeforeTheConnectionFailedIsTheAnswer) {
+// The same when the window for the response's landing (the caller's own
+// buffer, registered for the call) cannot be bound because the
+// connection is closing: the call is re-sent, not failed.
+TEST_F(FallbackTest, WindowBindFailingOnAClosingConnectionResendsTheCall) {
   Start();
   auto channel = Channel({});
-  // Over 1 MiB, in a buffer of the caller's own (the landing arena's would
-  // be granted through a window, the next test): the landing memory is
-  // deregistered aside, and the connection fails meanwhile. The server
+  constexpr size_t kBytes = 300000;
+  std::vector<uint8_t> landing(kBytes);
+  ASSERT_NO_FATAL_FAILURE(
+      EchoUntilWindowsAreUsed(channel.get(), kBytes, landing.data()));
+  int runs_before = service_.echo_calls.load();
+  fault::Arm("rdma.close_before_window_bind", 1);
+  rdmarpc::Status s;
+  EXPECT_EQ(Echo(channel.get(), kBytes, &s, landing.data()),
+            rdmarpc::TransportKind::kGrpc)
+      << s;
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_FALSE(fault::Take("rdma.close_before_window_bind").has_value());
+  EXPECT_EQ(service_.echo_calls.load(), runs_before + 1);
+  EXPECT_EQ(channel->transport_stats().calls_resent, 1u);
+  EXPECT_GE(server_->call_log_stats().repeats_answered, 1u);
+}
+
+TEST_F(FallbackTest, ResponseLandedBeforeTheConnectionFailedIsTheAnswer) {
+  // As on a device without memory windows (with them, the next tests), so
+  // that the landing is registered for this call alone.
+  fault::Arm("rdma.no_landing_windows");
+  Start();
+  auto channel = Channel({});
+  // Over 1 MiB: the landing memory is registered and deregistered aside,
+  // and the connection fails while it is deregistered. The server
   // counts the response delivered (its writes completed), so a re-send
   // would be refused ("already ran and its response was delivered"): the
   // landed response must answer the call.
@@ -366,28 +407,46 @@ TEST_F(FallbackTest, ResponseLandedBeforeTheConnectionFailedIsTheAnswer) {
   ExpectClosedByTheFaultWithoutAResend(channel.get());
 }
 
-// The same with the response landed in the landing arena through a
-// window: the connection fails before the window's invalidation is posted.
-TEST_F(FallbackTest, ResponseLandedThroughAWindowBeforeTheConnectionFailed) {
+// The same with the response granted through a window: the connection
+// fails before the window's invalidation is posted. The window covers a
+// block of the landing arena, or the caller's own buffer, registered for
+// this call, which must still deregister once the connection's windows
+// are gone (a region under a bound window cannot).
+class WindowLandingTest : public FallbackTest,
+                          public ::testing::WithParamInterface<bool> {};
+
+TEST_P(WindowLandingTest,
+       ResponseLandedThroughAWindowBeforeTheConnectionFailed) {
+  const bool own_buffer = GetParam();
+  const uint64_t failed_before = rdmarpc::rdma::FailedDeregistrations();
   Start();
   auto channel = Channel({});
   constexpr size_t kBytes = 3 << 20;
-  // A connection sets its windows up aside after its first landing.
-  auto until = std::chrono::steady_clock::now() + 60s;
-  do {
-    ASSERT_EQ(Echo(channel.get(), kBytes), rdmarpc::TransportKind::kRdma);
-  } while (channel->transport_stats().rdma_landing_windows == 0 &&
-           std::chrono::steady_clock::now() < until);
-  ASSERT_GT(channel->transport_stats().rdma_landing_windows, 0u);
+  std::vector<uint8_t> landing(kBytes);
+  uint8_t* into = own_buffer ? landing.data() : nullptr;
+  ASSERT_NO_FATAL_FAILURE(EchoUntilWindowsAreUsed(channel.get(), kBytes, into));
   int runs_before = service_.echo_calls.load();
   fault::Arm("rdma.client.close_before_window_ends", 1);
   rdmarpc::Status s;
-  EXPECT_EQ(Echo(channel.get(), kBytes, &s), rdmarpc::TransportKind::kRdma)
+  EXPECT_EQ(Echo(channel.get(), kBytes, &s, into),
+            rdmarpc::TransportKind::kRdma)
       << s;
   EXPECT_TRUE(s.ok()) << s;
   EXPECT_EQ(service_.echo_calls.load(), runs_before + 1);
   ExpectClosedByTheFaultWithoutAResend(channel.get());
+  // The closed connection's regions deregister on the registration
+  // thread, in order: a task queued after them runs once they did.
+  std::promise<void> drained;
+  rdmarpc::rdma::RunAside([&] { drained.set_value(); });
+  drained.get_future().wait();
+  EXPECT_EQ(rdmarpc::rdma::FailedDeregistrations(), failed_before);
 }
+
+INSTANTIATE_TEST_SUITE_P(Landing, WindowLandingTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "InTheCallersBuffer"
+                                             : "InTheLandingArena";
+                         });
 
 TEST_F(FallbackTest, ShutdownWithAResendPendingEndsByItsDeadline) {
   Start();

@@ -1,17 +1,22 @@
-// Calls with thousands of tensors over RDMA (label rdma): each written
-// tensor needs a region in one grant frame, so a call can carry only so
-// many. Past that, a request goes over gRPC instead and a response fails
-// with RESOURCE_EXHAUSTED naming the limit; neither ever hangs.
+// Calls with many tensors over RDMA (label rdma): each written tensor
+// needs a region in one grant frame, so a call can carry only so many.
+// Past that, a request goes over gRPC instead and a response fails with
+// RESOURCE_EXHAUSTED naming the limit; neither ever hangs. A response's
+// landings in several kinds of memory each get a memory window.
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstring>
+#include <future>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "many_tensors.rdmarpc.pb.h"
 #include "rdmarpc/channel.h"
 #include "rdmarpc/server.h"
+#include "transport/rdma/registration.h"
+#include "transport/rdma/verbs.h"
 
 namespace rdmarpc_test {
 namespace {
@@ -131,6 +136,87 @@ TEST_F(ManyTensorsTest, AResponseWithTooManyTensorsFailsNamingTheLimit) {
   rdmarpc::ClientContext after;
   EXPECT_TRUE(Call(10, 10, &after).ok());
   EXPECT_EQ(after.stats().transport, rdmarpc::TransportKind::kRdma);
+}
+
+// A response whose parts land partly in the landing arena and partly in
+// buffers the caller gave: one window grants the arena's block and one
+// more each of the caller's buffers (registered for this call alone), and
+// the call reads the bytes only once all of them ended; each of those
+// registrations deregisters once its window is invalidated.
+TEST_F(ManyTensorsTest, EachLandingOfAResponseIsGrantedThroughAWindow) {
+  constexpr size_t kBytes = 64 << 10;  // written, not inline
+  constexpr int kParts = 4;            // 1 and 3 land in the caller's buffers
+  const uint64_t failed_before = rdmarpc::rdma::FailedDeregistrations();
+  std::vector<uint8_t> sent(kParts * kBytes);
+  std::vector<std::vector<uint8_t>> own(kParts, std::vector<uint8_t>(kBytes));
+  // One call; how many windows the client's grants took for it.
+  auto call = [&](uint32_t seed) -> uint64_t {
+    for (size_t i = 0; i < sent.size(); ++i) {
+      sent[i] = static_cast<uint8_t>(i * 13 + seed);
+    }
+    const uint64_t before = channel_->transport_stats().rdma_landing_windows;
+    rdmarpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(60));
+    ManyTensors req;
+    req.set_reply_parts(kParts);
+    for (int i = 0; i < kParts; ++i) {
+      EXPECT_TRUE(ctx.tensors()
+                      .Set(req.add_parts(), rdmarpc::DTYPE_U8,
+                           {static_cast<int64_t>(kBytes)},
+                           rdmarpc::TensorBuffer::Borrow(
+                               sent.data() + i * kBytes, kBytes))
+                      .ok());
+    }
+    for (int i = 1; i < kParts; i += 2) {
+      std::memset(own[i].data(), 0, kBytes);
+      ctx.SetResponseTensorBuffer(
+          i, rdmarpc::TensorBuffer::Borrow(own[i].data(), kBytes));
+    }
+    ManyTensors resp;
+    rdmarpc::Status s = stub_->Echo(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << s;
+    EXPECT_EQ(ctx.stats().transport, rdmarpc::TransportKind::kRdma)
+        << ctx.stats().ToString();
+    EXPECT_EQ(resp.parts_size(), kParts);
+    for (int i = 0; i < resp.parts_size(); ++i) {
+      auto out = ctx.tensors().Get(resp.parts(i));
+      if (!out.ok() || out->size() != kBytes) {
+        ADD_FAILURE() << "part " << i << ": " << out.status();
+        continue;
+      }
+      EXPECT_EQ(0, std::memcmp(out->data(), sent.data() + i * kBytes, kBytes))
+          << "part " << i;
+      if (i % 2 == 1) {
+        EXPECT_EQ(out->data(), own[i].data()) << "part " << i;
+      }
+    }
+    return channel_->transport_stats().rdma_landing_windows - before;
+  };
+  // The connection sets its windows up aside after its first landing.
+  // Then every landing has a window: 3, or 4 where the arena's segment
+  // is over this connection's pinning budget (its two parts then get a
+  // window over a registration each).
+  uint32_t seed = 1;
+  const auto give_up =
+      std::chrono::steady_clock::now() + std::chrono::minutes(2);
+  while (call(seed++) < 3) {
+    ASSERT_LT(std::chrono::steady_clock::now(), give_up);
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  for (int i = 0; i < 8; ++i) {
+    const uint64_t windows = call(seed++);
+    EXPECT_TRUE(windows == 3 || windows == 4) << windows;
+  }
+  stub_.reset();
+  channel_.reset();
+  // What the closed connections dropped aside deregisters on the
+  // registration thread, in order: a task queued after it runs once it
+  // did.
+  std::promise<void> drained;
+  rdmarpc::rdma::RunAside([&] { drained.set_value(); });
+  drained.get_future().wait();
+  EXPECT_EQ(rdmarpc::rdma::FailedDeregistrations(), failed_before);
 }
 
 }  // namespace
