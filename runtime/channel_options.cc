@@ -64,6 +64,7 @@ std::string ChannelTransportStats::ToString() const {
                   ", unsignaled: ", rdma_frames_unsignaled,
                   " (flush writes: ", rdma_flush_writes, ")",
                   ", landing windows: ", rdma_landing_windows,
+                  " (registrations: ", rdma_landing_registrations, ")",
                   ", credit frames: ", rdma_credit_frames_sent,
                   ", waits for credit: ", rdma_waits_for_credit,
                   ", watcher wake-ups: ", rdma_watch_wakeups,

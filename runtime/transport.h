@@ -100,9 +100,11 @@ struct FastPathCounters {
   uint64_t frames_unsignaled = 0;
   uint64_t flush_writes = 0;
   uint64_t waits_for_credit = 0;
-  // Grants of landing memory through a memory window over the landing
-  // arena (no registration of their own).
+  // Windows bound to grant landing memory, and landings registered for
+  // their call alone (ChannelTransportStats::rdma_landing_windows and
+  // rdma_landing_registrations).
   uint64_t landing_windows = 0;
+  uint64_t landing_registrations = 0;
   // Times the channel's RDMA watcher (deadlines, progress) woke up.
   uint64_t watch_wakeups = 0;
   // Times a blocked caller found completions polling its connection's

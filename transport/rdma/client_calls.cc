@@ -627,6 +627,8 @@ void ClientEndpoint::GrantResponseLocked(uint64_t call_id, Outcomes* outcomes) {
     FinishLocked(call_id, AcceptResponse(r), outcomes);
     return;
   }
+  landing_registrations_.fetch_add(r.in.registrations,
+                                   std::memory_order_relaxed);
   Grant grant = grants_.Issue(call_id, r.in);
   r.grant_id = grant.grant_id();
   r.stage = ClientRecord::Stage::kAwaitResponseData;

@@ -101,6 +101,10 @@ class ClientEndpoint final
   uint64_t callback_stalls() const {
     return callback_stalls_.load(std::memory_order_relaxed);
   }
+  // Response landings registered for their call alone.
+  uint64_t landing_registrations() const {
+    return landing_registrations_.load(std::memory_order_relaxed);
+  }
 
  private:
   Status OnGrant(const FrameView& frame, Outcomes* outcomes);
@@ -146,6 +150,7 @@ class ClientEndpoint final
   WireLimits limits_;
 
   std::atomic<uint64_t> callback_stalls_{0};
+  std::atomic<uint64_t> landing_registrations_{0};
   // Set once by Attach, before the first Start, and never changed: Start
   // reads it (and cache_, never reset, only cleared on close) without mu_.
   // The transport that calls Start holds the connection for its whole life.

@@ -151,6 +151,9 @@ StatusOr<std::shared_ptr<Connection>> Connection::Create(
   }
   std::shared_ptr<Connection> conn(
       new Connection(std::move(resources), config, std::move(handler)));
+  // Without windows landings are registered for remote write per call:
+  // not fatal, the grants say why.
+  (void)conn->SetUpWindows();
   // Before the first receive: the group's poller may find its completion
   // at once, before Engine::Add.
   conn->res_.group.Install(conn.get());
@@ -757,7 +760,7 @@ bool Connection::WindowGrant::End(std::function<void(Status)> done) {
   return conn->EndWindow(*this, std::move(done));
 }
 
-Status Connection::TakeWindowLocked(uint32_t* window, bool* set_up) {
+Status Connection::TakeWindowLocked(uint32_t* window) {
   if (closed_.load()) return close_reason_;
   if (res_.qp.get() == nullptr) {
     return absl::UnavailableError("RDMA connection closed");
@@ -767,19 +770,7 @@ Status Connection::TakeWindowLocked(uint32_t* window, bool* set_up) {
   if (RDMARPC_FAULT("rdma.no_landing_windows")) {
     return absl::UnimplementedError("fault: no landing windows");
   }
-  switch (window_state_) {
-    case WindowState::kNotSetUp:
-      window_state_ = WindowState::kSettingUp;
-      *set_up = true;
-      [[fallthrough]];
-    case WindowState::kSettingUp:
-      return absl::UnavailableError(
-          "the landing arena is being registered on this connection");
-    case WindowState::kUnavailable:
-      return windows_unavailable_;
-    case WindowState::kReady:
-      break;
-  }
+  if (!windows_unavailable_.ok()) return windows_unavailable_;
   if (free_windows_.empty()) {
     return absl::UnavailableError(
         absl::StrCat("all ", kLandingWindows, " landing windows are in use"));
@@ -812,7 +803,6 @@ Status Connection::BindWindowLocked(WindowGrant& grant, ibv_mr* mr,
 }
 
 StatusOr<Connection::WindowGrant> Connection::GrantWindow(TensorBuffer block) {
-  bool set_up = false;
   bool register_segment = false;
   int segment = -1;
   StatusOr<WindowGrant> granted = absl::UnavailableError("");
@@ -821,27 +811,29 @@ StatusOr<Connection::WindowGrant> Connection::GrantWindow(TensorBuffer block) {
     std::lock_guard<std::mutex> lock(mu_);
     uint32_t window = 0;
     Status taken = [&]() -> Status {
-      if (closed_.load()) return close_reason_;
-      // The segment first: a window is taken only when it can be bound.
-      if (window_state_ == WindowState::kReady) {
-        segment = LandingArena::Get()->SegmentOf(block.data());
+      // The window first: without one (none on the device, say) the
+      // segment is not worth pinning here.
+      RDMARPC_RETURN_IF_ERROR(TakeWindowLocked(&window));
+      Status segment_ready = [&]() -> Status {
+        LandingArena* arena = LandingArena::Get();
+        segment = arena == nullptr ? -1 : arena->SegmentOf(block.data());
         if (segment < 0) {
           return absl::InternalError(
               "a landing window for memory outside the landing arena");
         }
-        if (arena_mrs_[segment] == nullptr) {
-          if (!segment_unavailable_[segment].ok()) {
-            return segment_unavailable_[segment];
-          }
-          const uint32_t bit = uint32_t{1} << segment;
-          register_segment = (segments_registering_ & bit) == 0;
-          segments_registering_ |= bit;
-          return absl::UnavailableError(absl::StrCat(
-              "segment ", segment,
-              " of the landing arena is being registered on this connection"));
+        if (arena_mrs_[segment] != nullptr) return absl::OkStatus();
+        if (!segment_unavailable_[segment].ok()) {
+          return segment_unavailable_[segment];
         }
-      }
-      return TakeWindowLocked(&window, &set_up);
+        const uint32_t bit = uint32_t{1} << segment;
+        register_segment = (segments_registering_ & bit) == 0;
+        segments_registering_ |= bit;
+        return absl::UnavailableError(absl::StrCat(
+            "segment ", segment,
+            " of the landing arena is being registered on this connection"));
+      }();
+      if (!segment_ready.ok()) free_windows_.push_back(window);
+      return segment_ready;
     }();
     if (!taken.ok()) {
       granted = std::move(taken);
@@ -864,9 +856,6 @@ StatusOr<Connection::WindowGrant> Connection::GrantWindow(TensorBuffer block) {
     Close(posted, "post error");
     return posted;
   }
-  if (set_up) {
-    RunAside([self = shared_from_this()] { self->SetUpLandingWindows(); });
-  }
   if (register_segment) {
     RunAside([self = shared_from_this(), segment] {
       self->RegisterArenaSegment(segment);
@@ -876,17 +865,11 @@ StatusOr<Connection::WindowGrant> Connection::GrantWindow(TensorBuffer block) {
 }
 
 StatusOr<Connection::WindowGrant> Connection::ReserveWindow() {
-  bool set_up = false;
   uint32_t window = 0;
-  Status taken;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    taken = TakeWindowLocked(&window, &set_up);
+    RDMARPC_RETURN_IF_ERROR(TakeWindowLocked(&window));
   }
-  if (set_up) {
-    RunAside([self = shared_from_this()] { self->SetUpLandingWindows(); });
-  }
-  if (!taken.ok()) return taken;
   WindowGrant grant;
   grant.conn_ = weak_from_this();
   grant.reserved_ = true;
@@ -917,16 +900,8 @@ void Connection::GiveBackWindow(uint32_t window) {
   if (!closed_.load()) free_windows_.push_back(window);
 }
 
-void Connection::SetUpLandingWindows() {
-  MemoryRegion mr;
-  uint64_t pinned = 0;  // reserved with ReserveArenaPin for `mr`
-  std::vector<MemoryWindow> windows;
+Status Connection::SetUpWindows() {
   Status ready = [&]() -> Status {
-    LandingArena* arena = LandingArena::Get();
-    if (arena == nullptr) {
-      return absl::UnavailableError(
-          "the landing arena is off (RDMARPC_RDMA_LANDING_ARENA_BYTES=0)");
-    }
     ibv_device_attr attr{};
     if (int rc = ibv_query_device(res_.pd->context, &attr); rc != 0) {
       return VerbsError("ibv_query_device", rc);
@@ -935,56 +910,34 @@ void Connection::SetUpLandingWindows() {
       return absl::UnimplementedError(absl::StrCat(
           ibv_get_device_name(res_.pd->context->device),
           " has no type-2 memory windows: landing memory is registered "
-          "per call"));
+          "per call for remote write"));
     }
-    RDMARPC_RETURN_IF_ERROR(ArenaFitsLockLimit());
-    // Its first segment now, later ones when a grant first needs them
-    // (RegisterArenaSegment).
-    const LandingArena::Segment first = arena->segment(0);
-    RDMARPC_RETURN_IF_ERROR(ReserveArenaPin(first.size));
-    StatusOr<MemoryRegion> registered =
-        RegisterMemory(res_.pd.get(), first.base, first.size,
-                       IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND);
-    if (!registered.ok()) {
-      ReleaseArenaPin(first.size);
-      return registered.status();
-    }
-    mr = *std::move(registered);
-    pinned = first.size;
     for (uint32_t i = 0; i < kLandingWindows; ++i) {
       errno = 0;
       MemoryWindow mw(ibv_alloc_mw(res_.pd.get(), IBV_MW_TYPE_2));
       if (mw == nullptr) {
         return VerbsError("ibv_alloc_mw", errno != 0 ? errno : ENOMEM);
       }
-      windows.push_back(std::move(mw));
+      windows_.push_back(std::move(mw));
     }
     return absl::OkStatus();
   }();
-  std::lock_guard<std::mutex> lock(mu_);
-  if (closed_.load() || !ready.ok()) {
-    // The region goes here, on the registration thread.
-    mr.reset();
-    ReleaseArenaPin(pinned);
-  }
-  if (closed_.load()) return;  // FinishClose settled the state
   if (!ready.ok()) {
-    window_state_ = WindowState::kUnavailable;
+    windows_.clear();
     windows_unavailable_ = std::move(ready);
-    return;
+    return windows_unavailable_;
   }
-  arena_mrs_[0] = std::move(mr);
-  arena_pinned_ += pinned;
-  for (uint32_t i = 0; i < windows.size(); ++i) free_windows_.push_back(i);
-  windows_ = std::move(windows);
-  window_state_ = WindowState::kReady;
+  for (uint32_t i = 0; i < windows_.size(); ++i) free_windows_.push_back(i);
+  return absl::OkStatus();
 }
 
 void Connection::RegisterArenaSegment(int segment) {
   const LandingArena::Segment memory = LandingArena::Get()->segment(segment);
-  // Over the budget: this grant and the next ones in the segment are
-  // registered per call, and a later one tries again.
-  const bool reserved = ReserveArenaPin(memory.size).ok();
+  // Under 1 GB of locked memory the arena is left out for good; over the
+  // budget, this grant and the next ones in the segment are registered per
+  // call, and a later one tries again.
+  const Status fits = ArenaFitsLockLimit();
+  const bool reserved = fits.ok() && ReserveArenaPin(memory.size).ok();
   // Pinned without mu_ held (it takes long for a large segment); the
   // region is kept under it. The domain outlives it (arena_mrs_ is
   // declared after res_).
@@ -1000,6 +953,7 @@ void Connection::RegisterArenaSegment(int segment) {
     // A device's refusal stands: that segment's blocks are registered per
     // call on this connection from now on, saying why.
     if (reserved && !mr.ok()) segment_unavailable_[segment] = mr.status();
+    if (!fits.ok()) segment_unavailable_[segment] = fits;
     return;
   }
   arena_mrs_[segment] = *std::move(mr);
@@ -1145,7 +1099,6 @@ bool Connection::FinishClose() {
       }
     }
     DeregisterAside(std::move(window_mrs), shared_from_this());
-    window_state_ = WindowState::kUnavailable;
     windows_unavailable_ = absl::UnavailableError("RDMA connection closed");
     // Unpinning up to the arena's limit takes long: aside, holding this
     // connection (and so its domain) until then.

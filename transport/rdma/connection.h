@@ -60,8 +60,9 @@
 
 namespace rdmarpc::rdma {
 
-// Memory windows per connection for grants of landing-arena blocks
-// (landing_arena.h), and the send-queue room their binds and
+// Memory windows per connection for grants of landing memory (blocks of
+// the landing arena, landing_arena.h, or regions registered for one
+// grant), and the send-queue room their binds and
 // invalidations take beside ConnectionConfig::send_queue_slots: a window
 // has at most one bind and one invalidation outstanding.
 inline constexpr uint32_t kLandingWindows = 32;
@@ -282,16 +283,18 @@ class Connection : public std::enable_shared_from_this<Connection>,
   };
   // Binds a window over `block` (a block of the landing arena) for remote
   // write; the bind is posted now, so it comes before any frame queued
-  // after this returns (the grant that names it). UNAVAILABLE when this
-  // connection cannot grant windows (yet): the first call starts
-  // registering the arena aside; without type-2 windows on the device, a
-  // locked-memory limit too low for the arena, or every window in use, it
-  // says so. The caller then registers the block for the grant instead.
+  // after this returns (the grant that names it). An error when the
+  // arena's segment is not registered here (yet: the first grant in a
+  // segment starts registering it aside; or not at all, with a
+  // locked-memory limit too low for the arena), or no window can be had
+  // (none on the device, every one in use): it says why. The caller then
+  // grants the block another way (ReserveWindow).
   [[nodiscard]] StatusOr<WindowGrant> GrantWindow(TensorBuffer block);
   // Takes a window for memory registered for one grant, bound later
-  // (WindowGrant::Bind; the registration may run aside meanwhile). Fails
-  // as GrantWindow does when no window can be had; the caller then
-  // registers that memory for remote write instead.
+  // (WindowGrant::Bind; the registration may run aside meanwhile). An
+  // error when none can be had (none on the device, every one in use, the
+  // connection closed): the caller then registers that memory for remote
+  // write instead.
   [[nodiscard]] StatusOr<WindowGrant> ReserveWindow();
 
   // Counters for tests and stats (waits_for_credit: times a frame or write
@@ -394,10 +397,10 @@ class Connection : public std::enable_shared_from_this<Connection>,
   Status PostWritePieceLocked(PendingWrite& write, bool* finished);
   // Poster thread: posts a write piece queued by PostWritePieceLocked.
   void PostAside(ibv_send_wr wr, ibv_sge sge);
-  // Registers the landing arena's first segment in this connection's domain
-  // and makes its windows (registration thread; GrantWindow starts it).
-  void SetUpLandingWindows();
-  // Registers a later segment of the arena here (registration thread;
+  // Makes this connection's windows (Create): an error (a device without
+  // type-2 windows, say) stays in windows_unavailable_.
+  Status SetUpWindows();
+  // Registers a segment of the landing arena here (registration thread;
   // GrantWindow starts it when a block of that segment is first granted).
   void RegisterArenaSegment(int segment);
   // Posts a bind or invalidation of window `window` (wr.opcode and its
@@ -406,9 +409,8 @@ class Connection : public std::enable_shared_from_this<Connection>,
   Status PostWindowOpLocked(ibv_send_wr& wr, int window,
                             std::function<void(Status)> done,
                             TensorBuffer&& block = {}, MemoryRegion&& mr = {});
-  // Takes a free window for a grant: OK, or why none can be had (and
-  // whether the windows' set-up must start, aside).
-  Status TakeWindowLocked(uint32_t* window, bool* set_up);
+  // Takes a free window for a grant: OK, or why none can be had.
+  Status TakeWindowLocked(uint32_t* window);
   // Posts the bind of `grant`'s reserved window over `block` in `mr`.
   Status BindWindowLocked(WindowGrant& grant, ibv_mr* mr,
                           const TensorBuffer& block);
@@ -473,12 +475,10 @@ class Connection : public std::enable_shared_from_this<Connection>,
   Status close_reason_;
   const char* close_trigger_ = "";
   Counters counters_;
-  // The landing arena's registration here and its windows, set up aside
-  // on first use (SetUpLandingWindows). Declared after res_, so they go
-  // before the protection domain.
-  enum class WindowState { kNotSetUp, kSettingUp, kReady, kUnavailable };
-  WindowState window_state_ = WindowState::kNotSetUp;
-  Status windows_unavailable_;  // why, in kUnavailable
+  // The windows, made with the connection (SetUpWindows), and the landing
+  // arena's registration here, made aside on first use of each segment.
+  // Declared after res_, so they go before the protection domain.
+  Status windows_unavailable_;  // why there are none (OK: windows_ made)
   // The arena's segments registered here (by index), those being
   // registered (a bit each) and why one could not be.
   std::array<MemoryRegion, LandingArena::kMaxSegments> arena_mrs_;

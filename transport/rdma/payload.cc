@@ -446,6 +446,7 @@ Status RegisterLandingMemory(IncomingPayload* in, Connection* conn) {
           conn->Close(absl::UnavailableError("fault: closed before a bind"),
                       "fault");
         }
+        ++in->registrations;
         RDMARPC_RETURN_IF_ERROR(window->Bind(landing, std::move(mr)));
         in->landing_mrs.emplace_back();
         in->landing_rkeys.push_back(window->rkey());
@@ -456,6 +457,7 @@ Status RegisterLandingMemory(IncomingPayload* in, Connection* conn) {
     RDMARPC_ASSIGN_OR_RETURN(
         MemoryRegion mr, mover->RegisterLanding(conn->pd(), landing,
                                                 LandingAccess::kRemoteWrite));
+    ++in->registrations;
     in->landing_rkeys.push_back(mr->rkey);
     in->landing_mrs.push_back(std::move(mr));
   }

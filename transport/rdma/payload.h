@@ -131,6 +131,8 @@ struct IncomingPayload {
   // endpoint ends them (EndLandingWindows) before FinishPayload reads the
   // bytes.
   absl::InlinedVector<Connection::WindowGrant, 1> windows;
+  // Landings registered for this grant alone (for stats).
+  uint32_t registrations = 0;
   // Per landing: how its bytes move (payload_mover.h).
   std::vector<const PayloadMover*> landing_movers;
   // Per landing: for a pinned staging buffer, the GPU buffer the bytes go

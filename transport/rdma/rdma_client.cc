@@ -260,6 +260,7 @@ internal::FastPathCounters RdmaClientTransport::counters() const {
   c.watch_wakeups = watch_wakeups_.load(std::memory_order_relaxed);
   c.caller_polls = conn_->caller_polls_found();
   c.callback_stalls = endpoint_->callback_stalls();
+  c.landing_registrations = endpoint_->landing_registrations();
   return c;
 }
 

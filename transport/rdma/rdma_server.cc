@@ -232,6 +232,7 @@ RdmaServerStats RdmaServerTransport::stats() const {
   s.connects_refused = shared_->refused.load();
   s.protocol_errors = shared_->protocol_errors.load();
   s.landing_windows = shared_->landing_windows.load();
+  s.landing_registrations = shared_->landing_registrations.load();
   return s;
 }
 

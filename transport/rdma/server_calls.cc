@@ -322,6 +322,8 @@ void ServerEndpoint::GrantLocked(uint64_t call_id) {
   ServerRecord& r = *calls_.at(call_id);
   shared_->landing_windows.fetch_add(r.in.windows.size(),
                                      std::memory_order_relaxed);
+  shared_->landing_registrations.fetch_add(r.in.registrations,
+                                           std::memory_order_relaxed);
   Grant grant = grants_.Issue(call_id, r.in);
   r.grant_id = grant.grant_id();
   r.stage = ServerRecord::Stage::kAwaitRequestData;

@@ -53,6 +53,7 @@ struct ServerShared {
   std::atomic<uint64_t> refused{0};
   std::atomic<uint64_t> protocol_errors{0};
   std::atomic<uint64_t> landing_windows{0};
+  std::atomic<uint64_t> landing_registrations{0};
   std::shared_ptr<LandingPool> landing;
 };
 

@@ -173,9 +173,15 @@ struct ChannelTransportStats {
   // connection went quiet.
   uint64_t rdma_frames_unsignaled = 0;
   uint64_t rdma_flush_writes = 0;
-  // Responses whose small tensors landed in the pre-registered landing
-  // arena through a memory window (no registration of their own).
+  // Memory windows bound to grant response landings: one per response
+  // over its block of the landing arena, one more per landing registered
+  // for the call (a buffer given with SetResponseTensorBuffer, say, or
+  // each landing in the block while the connection registers the arena).
   uint64_t rdma_landing_windows = 0;
+  // Response landings registered for their call alone (pinning their
+  // pages per call): outside the landing arena, or in a segment of it the
+  // connection has not registered yet.
+  uint64_t rdma_landing_registrations = 0;
   // Times the channel's RDMA watcher woke: every 50 ms while calls are
   // outstanding, never while the channel is idle.
   uint64_t rdma_watch_wakeups = 0;

@@ -154,10 +154,16 @@ struct RdmaServerStats {
   uint64_t connects_refused = 0;
   // Connections closed because the peer broke the protocol.
   uint64_t protocol_errors = 0;
-  // Requests whose small tensors landed in the pre-registered landing
-  // arena, granted through a memory window instead of a registration of
-  // their own (none where the device has no type-2 windows).
+  // Memory windows bound to grant request landings: one per request over
+  // its block of the landing arena, one more per landing registered for
+  // the call (outside the arena, or each landing in the block while the
+  // connection registers the arena); none where the device has no type-2
+  // windows.
   uint64_t landing_windows = 0;
+  // Request landings registered for their call alone (pinning their pages
+  // per call): outside the landing arena, or in a segment of it this
+  // connection has not registered yet.
+  uint64_t landing_registrations = 0;
 };
 
 // What the call log that makes re-sent calls run once has done, over both

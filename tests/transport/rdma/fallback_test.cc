@@ -78,18 +78,25 @@ class FallbackTest : public ::testing::Test {
     return ctx.stats().transport;
   }
 
-  // Echoes of `size` bytes (landing in `landing`, if given) until the
-  // channel's grants use memory windows, which a connection sets up aside
-  // after its first landing.
+  // Echoes of `size` bytes (landing in `landing`, if given) until one
+  // was granted through a window, and for the landing arena through its
+  // window alone: the connection registers the arena's segment aside after
+  // its first landing there (meanwhile the block gets a registration and a
+  // window of its own).
   void EchoUntilWindowsAreUsed(rdmarpc::Channel* channel, size_t size,
                                uint8_t* landing) {
     auto until = std::chrono::steady_clock::now() + 60s;
-    do {
+    bool granted = false;
+    while (!granted && std::chrono::steady_clock::now() < until) {
+      const auto before = channel->transport_stats();
       ASSERT_EQ(Echo(channel, size, nullptr, landing),
                 rdmarpc::TransportKind::kRdma);
-    } while (channel->transport_stats().rdma_landing_windows == 0 &&
-             std::chrono::steady_clock::now() < until);
-    ASSERT_GT(channel->transport_stats().rdma_landing_windows, 0u);
+      const auto after = channel->transport_stats();
+      granted = after.rdma_landing_windows > before.rdma_landing_windows &&
+                (landing != nullptr || after.rdma_landing_registrations ==
+                                           before.rdma_landing_registrations);
+    }
+    ASSERT_TRUE(granted) << channel->transport_stats().ToString();
   }
 
   // The fault closed `channel`'s connection (the call may finish before

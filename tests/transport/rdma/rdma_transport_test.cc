@@ -236,9 +236,10 @@ TEST(RdmaTransport, InlineHandlersServeSentAndWrittenTensors) {
 }
 
 // Small written tensors land in the pre-registered landing arena, granted
-// through memory windows, once a connection has set them up (aside, after
-// its first landing): both ways, byte-exact, with calls in flight that
-// hold windows at once.
+// through memory windows with no registration of their own, once a
+// connection has registered the arena's segment (aside, after its first
+// landing there): both ways, byte-exact, with calls in flight that hold
+// windows at once.
 TEST(RdmaTransport, SmallTensorsLandInTheArenaThroughWindows) {
   Service service;
   int port = 0;
@@ -246,24 +247,25 @@ TEST(RdmaTransport, SmallTensorsLandInTheArenaThroughWindows) {
   ASSERT_NE(server, nullptr);
   auto channel = RdmaChannel(port);
   auto stub = E2E::NewStub(channel);
-  auto windows_used = [&] {
-    return channel->transport_stats().rdma_landing_windows > 0 &&
-           server->rdma_stats().landing_windows > 0;
+  auto registrations = [&] {
+    return std::make_pair(channel->transport_stats().rdma_landing_registrations,
+                          server->rdma_stats().landing_registrations);
   };
-  // The setup is registration work off the engine: wait for its outcome.
+  // The segment's registration is work off the engine: wait for it.
   const auto give_up =
       std::chrono::steady_clock::now() + std::chrono::minutes(2);
   uint32_t seed = 1;
-  while (!windows_used() && std::chrono::steady_clock::now() < give_up) {
+  bool in_arena = false;
+  while (!in_arena && std::chrono::steady_clock::now() < give_up) {
+    const auto before = registrations();
     ASSERT_TRUE(EchoOnce(stub.get(), 70000, seed++));
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    in_arena = registrations() == before;
   }
-  ASSERT_TRUE(windows_used())
-      << "client windows " << channel->transport_stats().rdma_landing_windows
-      << ", server windows " << server->rdma_stats().landing_windows;
+  ASSERT_TRUE(in_arena) << channel->transport_stats().ToString();
   const uint64_t client_before =
       channel->transport_stats().rdma_landing_windows;
   const uint64_t server_before = server->rdma_stats().landing_windows;
+  const auto registrations_before = registrations();
   // Over the inline threshold (24 KiB), under the arena's 1 MiB per call.
   EXPECT_EQ(EchoFromEightThreads(
                 stub.get(),
@@ -274,6 +276,7 @@ TEST(RdmaTransport, SmallTensorsLandInTheArenaThroughWindows) {
   EXPECT_EQ(channel->transport_stats().rdma_landing_windows - client_before,
             64u);
   EXPECT_EQ(server->rdma_stats().landing_windows - server_before, 64u);
+  EXPECT_EQ(registrations(), registrations_before);
 }
 
 // Landings of 1 MiB and more come from the landing arena too. Here the
@@ -305,23 +308,23 @@ TEST(RdmaTransport, LargeTensorsLandInAGrownArenaSegmentThroughWindows) {
     return std::make_pair(channel->transport_stats().rdma_landing_windows,
                           server->rdma_stats().landing_windows);
   };
+  auto registrations = [&] {
+    return std::make_pair(channel->transport_stats().rdma_landing_registrations,
+                          server->rdma_stats().landing_registrations);
+  };
   // Each side registers the new segment aside after its first landing
-  // there: those calls register their landing themselves.
+  // there: those calls register their landing themselves (aside too).
   uint32_t seed = 1;
-  bool both_windowed = false;
+  bool in_arena = false;
   const auto give_up =
       std::chrono::steady_clock::now() + std::chrono::minutes(2);
-  while (!both_windowed && std::chrono::steady_clock::now() < give_up) {
-    const auto before = windows();
+  while (!in_arena && std::chrono::steady_clock::now() < give_up) {
+    const auto before = registrations();
     ASSERT_TRUE(EchoOnce(stub.get(), kMiB + 4099, seed++));
-    const auto after = windows();
-    both_windowed =
-        after.first == before.first + 1 && after.second == before.second + 1;
-    if (!both_windowed) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
+    in_arena = registrations() == before;
+    if (!in_arena) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  ASSERT_TRUE(both_windowed);
+  ASSERT_TRUE(in_arena);
   // Armed once: a landing sent aside to be registered would take them.
   fault::Arm("rdma.client.hold_registration", 1);
   fault::Arm("rdma.server.hold_registration", 1);
@@ -1203,7 +1206,8 @@ TEST_F(ForgedPeerTest, AWindowGrantEndsWithItsCall) {
   WritingPeer peer;
   ASSERT_NO_FATAL_FAILURE(ConnectWritingPeer(&peer));
   // Calls whose tensor is written, answered with a checksum, until one was
-  // granted through a window (the connection sets them up aside).
+  // granted through a window (from the first, over a registration of its
+  // own while the arena's segment registers aside).
   rdmarpc::rdma::Grant grant;
   int calls = 0;
   const auto give_up =
@@ -1236,22 +1240,29 @@ TEST_F(ForgedPeerTest, AWindowGrantEndsWithItsCall) {
 
 // Landing memory is used again, by calls from any peer: a peer that writes
 // less than its grant and announces it done must find the rest zero, not
-// what an earlier call left there. Both ways of granting, per-call
-// registration (the first calls) and a window into the arena (once the
-// connection has set its windows up).
+// what an earlier call left there. Every way of granting: a registration
+// for remote write (as on a device without windows), a window over a
+// registration of its own (the first calls with windows, while the arena's
+// segment registers aside) and a window into the arena.
 TEST_F(ForgedPeerTest, BytesAPeerDidNotWriteReadAsZero) {
+  namespace fault = rdmarpc::internal::fault;
   WritingPeer peer;
   ASSERT_NO_FATAL_FAILURE(ConnectWritingPeer(&peer));
   // Whole writes and 64-byte ones take turns, each byte 0x5a; the handler
-  // counts the non-zero bytes it sees. Until windows were used, and then 8
-  // pairs more.
+  // counts the non-zero bytes it sees. 2 pairs without windows, then pairs
+  // until 8 landed in the arena with no registration of their own.
   std::vector<size_t> expected;
-  int pairs_after_windows = 0;
+  int pairs_in_arena = 0;
   const auto give_up =
       std::chrono::steady_clock::now() + std::chrono::minutes(2);
-  for (uint64_t id = 1; pairs_after_windows < 8; id += 2) {
+  fault::Arm("rdma.no_landing_windows");
+  struct DisarmOnReturn {
+    ~DisarmOnReturn() { fault::Disarm("rdma.no_landing_windows"); }
+  } disarm_on_return;
+  for (uint64_t id = 1; pairs_in_arena < 8; id += 2) {
     ASSERT_LT(std::chrono::steady_clock::now(), give_up);
-    if (server_->rdma_stats().landing_windows > 0) ++pairs_after_windows;
+    if (id == 5) fault::Disarm("rdma.no_landing_windows");
+    const rdmarpc::RdmaServerStats before = server_->rdma_stats();
     for (uint32_t length : {4096u, 64u}) {
       auto grant =
           RequestWrittenEcho(*peer.conn, *peer.handler, id + (length == 64),
@@ -1263,6 +1274,13 @@ TEST_F(ForgedPeerTest, BytesAPeerDidNotWriteReadAsZero) {
       ASSERT_EQ(peer.handler->Next().first,
                 rdmarpc::rdma::FrameType::kResponse);
       expected.push_back(length);
+    }
+    const rdmarpc::RdmaServerStats after = server_->rdma_stats();
+    if (id < 5) {
+      EXPECT_EQ(after.landing_windows, before.landing_windows);
+    } else if (pairs_in_arena > 0 ||
+               after.landing_registrations == before.landing_registrations) {
+      ++pairs_in_arena;
     }
   }
   std::lock_guard<std::mutex> lock(service_.mu);
