@@ -386,7 +386,19 @@ void Connection::ReleaseUnsignaledLocked(uint64_t seq, uint32_t* completed,
 }
 
 bool Connection::FlushUnsignaled(bool any) {
-  std::lock_guard<std::mutex> lock(mu_);
+  StatusOr<bool> posted;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    posted = PostFlushLocked(any);
+  }
+  if (posted.ok()) return *posted;
+  // The slot stays taken: the connection is broken, and closing it fails
+  // the unsignaled frames' continuations.
+  Close(posted.status(), "post error");
+  return false;
+}
+
+StatusOr<bool> Connection::PostFlushLocked(bool any) {
   if (unsignaled_count_ == 0 || closed_.load() || res_.qp.get() == nullptr) {
     flush_wanted_.store(false, std::memory_order_relaxed);
     return false;
@@ -407,18 +419,16 @@ bool Connection::FlushUnsignaled(bool any) {
   if (!uncovered) return false;
   if (!(any || waiting_sent) || !window_.TryTakeSendSlot()) return false;
   ibv_send_wr wr{};
-  auto wr_id = NextWrIdLocked();
-  if (!wr_id.ok()) return false;
-  wr.wr_id = *wr_id;
+  RDMARPC_ASSIGN_OR_RETURN(wr.wr_id, NextWrIdLocked());
   wr.opcode = IBV_WR_RDMA_WRITE;
   wr.send_flags = IBV_SEND_SIGNALED;
   ibv_send_wr* bad = nullptr;
-  if (ibv_post_send(res_.qp.get(), &wr, &bad) != 0 ||
-      !TrackPostedLocked(wr.wr_id, -1, nullptr).ok()) {
-    // The slot stays taken: the connection is broken, and its close fails
-    // the unsignaled frames' continuations.
-    return false;
-  }
+  // Fault injection: the post fails as on a broken queue pair.
+  const int rc = RDMARPC_FAULT("rdma.flush_write_post_error")
+                     ? EIO
+                     : ibv_post_send(res_.qp.get(), &wr, &bad);
+  if (rc != 0) return VerbsError("ibv_post_send (a flush write)", rc);
+  RDMARPC_RETURN_IF_ERROR(TrackPostedLocked(wr.wr_id, -1, nullptr));
   ++counters_.flush_writes;
   flush_wanted_.store(false, std::memory_order_relaxed);
   return true;

@@ -215,7 +215,8 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // InfiniBand C9-88) behind unsignaled frames that no signaled work
   // request follows, so their completions and `sent` continuations come:
   // only when one of them has a `sent`, or with `any` always. True if it
-  // posted one. The engine calls it before it sleeps.
+  // posted one; a post that fails closes the connection. The engine calls
+  // it before it sleeps.
   bool FlushUnsignaled(bool any = false);
   // Whether an unsignaled frame with a `sent` may wait for a flush: the
   // engine, before it sleeps, calls FlushUnsignaled only where this holds,
@@ -406,6 +407,8 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // Posts a bind or invalidation of window `window` (wr.opcode and its
   // fields set); `done` runs as for a frame's `sent`, and `block` and `mr`
   // are held until then (moved from only when the post succeeded).
+  // FlushUnsignaled's post: whether it posted one, or the post's error.
+  StatusOr<bool> PostFlushLocked(bool any);
   Status PostWindowOpLocked(ibv_send_wr& wr, int window,
                             std::function<void(Status)> done,
                             TensorBuffer&& block = {}, MemoryRegion&& mr = {});

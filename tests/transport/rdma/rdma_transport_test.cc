@@ -1317,6 +1317,28 @@ TEST_F(ForgedPeerTest, UnsignaledFramesCompleteOnceFlushed) {
   ExpectServerStillServes();
 }
 
+// A flush write that cannot be posted means a broken queue pair: the
+// connection closes, which fails what its unsignaled frames still owe.
+TEST_F(ForgedPeerTest, AFlushWriteThatCannotBePostedClosesTheConnection) {
+  namespace fault = rdmarpc::internal::fault;
+  rdmarpc::rdma::HelloResponse hello = Hello();
+  auto handler = std::make_shared<RecordingHandler>();
+  auto conn = Connect(hello, hello.token(), handler);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  rdmarpc::rdma::Ping ping;
+  ping.set_sequence(1);
+  ASSERT_TRUE((*conn)->SendFrame(rdmarpc::rdma::FrameType::kPing, &ping).ok());
+  EXPECT_EQ(handler->Next().first, rdmarpc::rdma::FrameType::kPong);
+  EXPECT_EQ((*conn)->counters().frames_unsignaled, 1u);
+  fault::Arm("rdma.flush_write_post_error", 1);
+  (void)(*conn)->Busy();
+  EXPECT_FALSE(fault::Take("rdma.flush_write_post_error").has_value());
+  EXPECT_TRUE(handler->WaitClosed());
+  EXPECT_EQ((*conn)->close_trigger(), "post error");
+  EXPECT_EQ((*conn)->counters().flush_writes, 0u);
+  ExpectServerStillServes();
+}
+
 TEST_F(ForgedPeerTest, SentOfAnUnsignaledFrameRunsWhenTheEngineGoesQuiet) {
   rdmarpc::rdma::HelloResponse hello = Hello();
   std::atomic<rdmarpc::rdma::Connection*> raw{nullptr};
