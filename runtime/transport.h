@@ -105,6 +105,9 @@ struct FastPathCounters {
   // rdma_landing_registrations).
   uint64_t landing_windows = 0;
   uint64_t landing_registrations = 0;
+  // Grants that waited for windows their connection's other grants held
+  // (ChannelTransportStats::rdma_landing_window_waits).
+  uint64_t landing_window_waits = 0;
   // Times the channel's RDMA watcher (deadlines, progress) woke up.
   uint64_t watch_wakeups = 0;
   // Times a blocked caller found completions polling its connection's

@@ -330,6 +330,7 @@ ChannelTransportStats TransportRouter::stats() {
     stats.rdma_flush_writes = c.flush_writes;
     stats.rdma_landing_windows = c.landing_windows;
     stats.rdma_landing_registrations = c.landing_registrations;
+    stats.rdma_landing_window_waits = c.landing_window_waits;
     stats.rdma_watch_wakeups = c.watch_wakeups;
     stats.rdma_caller_polls = c.caller_polls;
     stats.rdma_callback_stalls = c.callback_stalls;

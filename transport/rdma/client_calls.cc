@@ -24,7 +24,8 @@ struct ClientRecord {
   enum class Stage {
     kAwaitGrant,           // request written once the server grants memory
     kAwaitResponse,        // request delivered (or being written)
-    kRegisteringResponse,  // large response landing registered aside
+    kRegisteringResponse,  // waiting for windows, or large response
+                           // landing registered aside
     kAwaitResponseData,    // response memory granted, server writing
     kEndingGrant,          // written; windows invalidated, large landing
                            // regions deregistered aside
@@ -39,6 +40,9 @@ struct ClientRecord {
   std::optional<Status> deferred;
   IncomingPayload in;
   bool landing_aside = false;  // registered and deregistered aside
+  // At kRegisteringResponse: waiting for windows the connection's other
+  // grants hold, so it moves when they do.
+  bool awaiting_windows = false;
   uint32_t grant_id = 0;
   uint64_t received_bytes = 0;
   uint64_t response_copied = 0;
@@ -109,9 +113,12 @@ ClientEndpoint::ProgressWatch ClientEndpoint::WatchProgress(
   watch.outstanding = calls_.size();
   watch.last_pong = last_pong_;
   std::chrono::steady_clock::duration worst{};
+  std::chrono::steady_clock::time_point newest{};
+  for (const auto& [id, r] : calls_) newest = std::max(newest, r->moved_at);
   for (const auto& [id, r] : calls_) {
+    const auto moved = r->awaiting_windows ? newest : r->moved_at;
     auto quiet =
-        now - std::max(r->moved_at, not_still_before) - r->in_flight_allowance;
+        now - std::max(moved, not_still_before) - r->in_flight_allowance;
     if (quiet >= peer_timeout / 3) watch.ping_needed = true;
     if (quiet >= peer_timeout && quiet > worst) {
       worst = quiet;
@@ -546,6 +553,49 @@ Status ClientEndpoint::OnResponse(const FrameView& frame, Outcomes* outcomes) {
     FailResponseLocked(call_id, std::move(received), server_waits, outcomes);
     return absl::OkStatus();
   }
+  // The windows for its landings first: when other grants hold them, it
+  // waits for theirs to end (GrantWithWindows).
+  const bool reserved = ReserveLandingWindows(&r.in, conn_.get(), [&] {
+    return Connection::WindowsReady(
+        [self = weak_from_this(), call_id](Status ready,
+                                           Connection::WindowGrants windows) {
+          if (auto endpoint = self.lock()) {
+            endpoint->GrantWithWindows(call_id, std::move(ready),
+                                       std::move(windows));
+          }
+        });
+  });
+  if (!reserved) {
+    r.stage = ClientRecord::Stage::kRegisteringResponse;
+    r.awaiting_windows = true;
+    return absl::OkStatus();
+  }
+  GrantReservedLocked(call_id, server_waits, outcomes);
+  return absl::OkStatus();
+}
+
+void ClientEndpoint::GrantWithWindows(uint64_t call_id, Status ready,
+                                      Connection::WindowGrants windows) {
+  Outcomes outcomes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = calls_.find(call_id);
+    // Cancelled, expired or closed meanwhile: the windows go back. A
+    // closed connection's calls are OnClosed's to re-send.
+    if (!closed_.ok() || it == calls_.end() || !ready.ok() ||
+        it->second->stage != ClientRecord::Stage::kRegisteringResponse) {
+      return;
+    }
+    it->second->awaiting_windows = false;
+    it->second->in.windows = std::move(windows);
+    GrantReservedLocked(call_id, /*server_waits=*/true, &outcomes);
+  }
+  Complete(std::move(outcomes));
+}
+
+void ClientEndpoint::GrantReservedLocked(uint64_t call_id, bool server_waits,
+                                         Outcomes* outcomes) {
+  ClientRecord& r = *calls_.at(call_id);
   uint64_t landing_bytes = 0;
   for (const TensorBuffer& b : r.in.landing) landing_bytes += b.size();
   // A window over the arena's block grants a landing of any size at the
@@ -566,18 +616,17 @@ Status ClientEndpoint::OnResponse(const FrameView& frame, Outcomes* outcomes) {
       Status registered = RegisterLandingMemory(in.get(), conn.get());
       self->GrantRegistered(call_id, std::move(*in), std::move(registered));
     });
-    return absl::OkStatus();
+    return;
   }
   Status registered = RegisterLandingMemory(&r.in, conn_.get());
   // A window's bind fails on a closing connection: as for the grant's
   // send, OnClosed re-sends the call (the server keeps the response).
-  if (!registered.ok() && conn_->closed()) return absl::OkStatus();
+  if (!registered.ok() && conn_->closed()) return;
   if (!registered.ok()) {
     FailResponseLocked(call_id, registered, server_waits, outcomes);
-    return absl::OkStatus();
+    return;
   }
   GrantResponseLocked(call_id, outcomes);
-  return absl::OkStatus();
 }
 
 void ClientEndpoint::FailResponseLocked(uint64_t call_id, Status why,

@@ -127,6 +127,15 @@ class ClientEndpoint final
   void GrantResponseLocked(uint64_t call_id, Outcomes* outcomes);
   // The response landed: binds it and finishes the call. Requires mu_.
   void FinishLandedLocked(uint64_t call_id, Outcomes* outcomes);
+  // With r.in's windows reserved: registers the response's landings
+  // (aside from kRegisterAsideBytes, unless one window over the arena
+  // grants them all) and grants them. Requires mu_.
+  void GrantReservedLocked(uint64_t call_id, bool server_waits,
+                           Outcomes* outcomes);
+  // A response that waited for windows (at stage kRegisteringResponse)
+  // has them, or its connection closed.
+  void GrantWithWindows(uint64_t call_id, Status ready,
+                        Connection::WindowGrants windows);
   // From the registration thread (kRegisterAsideBytes): a large response's
   // landing memory is registered (or failed to be) ...
   void GrantRegistered(uint64_t call_id, IncomingPayload in, Status registered);

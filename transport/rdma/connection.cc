@@ -125,6 +125,9 @@ void RunOnPoster(std::function<void()> task) {
   poster->Post(std::move(task));
 }
 
+// Connection::SetLandingWindowsForTesting (0: kLandingWindows).
+std::atomic<uint32_t> landing_windows_for_testing{0};
+
 }  // namespace
 
 StatusOr<std::shared_ptr<Connection>> Connection::Create(
@@ -697,6 +700,7 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
   Continuations sent;
   MemoryRegion unbound;   // the registration an invalidation ended
   TensorBuffer released;  // and its memory: a user's deleter may run
+  ReadyWaiters waiters;   // grants the freed window completes
   Status s;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -711,6 +715,7 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
       free_windows_.push_back(static_cast<uint32_t>(posted->window));
       unbound = std::move(posted->window_mr);
       released = std::move(posted->window_block);
+      if (!window_waiters_.empty()) ServeWindowWaitersLocked(&waiters);
     }
     ReleaseUnsignaledLocked(posted->seq, &completed, &sent);
     ForgetPostedLocked(posted);
@@ -719,11 +724,9 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
   }
   for (auto& f : sent) f(absl::OkStatus());
   if (done) done(absl::OkStatus());
-  if (unbound != nullptr) {
-    std::vector<MemoryRegion> mrs;
-    mrs.push_back(std::move(unbound));
-    DropWindowRegions(std::move(mrs));
-  }
+  DropWindowRegion(std::move(unbound));
+  for (ReadyWaiter& w : waiters)
+    w.ready(absl::OkStatus(), std::move(w.windows));
   if (!s.ok()) Close(s, "post error");
 }
 
@@ -770,24 +773,59 @@ bool Connection::WindowGrant::End(std::function<void(Status)> done) {
   return conn->EndWindow(*this, std::move(done));
 }
 
-Status Connection::TakeWindowLocked(uint32_t* window) {
-  if (closed_.load()) return close_reason_;
-  if (res_.qp.get() == nullptr) {
-    return absl::UnavailableError("RDMA connection closed");
+uint32_t Connection::WindowsNeededLocked(const WindowNeed& need) const {
+  uint32_t count = need.outside;
+  if (need.in_arena > 0) {
+    LandingArena* arena = LandingArena::Get();
+    const int segment =
+        arena == nullptr ? -1 : arena->SegmentOf(need.arena_block);
+    const bool registered = segment >= 0 && arena_mrs_[segment] != nullptr;
+    count += registered ? 1 : need.in_arena;
+  }
+  return count;
+}
+
+void Connection::TakeWindowsLocked(uint32_t count, WindowGrants* windows) {
+  for (uint32_t i = 0; i < count; ++i) {
+    WindowGrant& grant = windows->emplace_back();
+    grant.conn_ = weak_from_this();
+    grant.reserved_ = true;
+    grant.window_ = free_windows_.back();
+    free_windows_.pop_back();
+  }
+}
+
+bool Connection::ReserveWindows(const WindowNeed& need, WindowGrants* windows,
+                                absl::FunctionRef<WindowsReady()> wait) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint32_t count = WindowsNeededLocked(need);
+  if (count == 0 || closed_.load() || res_.qp.get() == nullptr ||
+      !windows_unavailable_.ok() || count > windows_.size()) {
+    return true;
   }
   // Fault injection: a device without type-2 windows, so that landings
   // are registered for remote write per call.
-  if (RDMARPC_FAULT("rdma.no_landing_windows")) {
-    return absl::UnimplementedError("fault: no landing windows");
+  if (RDMARPC_FAULT("rdma.no_landing_windows")) return true;
+  if (window_waiters_.empty() && free_windows_.size() >= count) {
+    TakeWindowsLocked(count, windows);
+    return true;
   }
-  if (!windows_unavailable_.ok()) return windows_unavailable_;
-  if (free_windows_.empty()) {
-    return absl::UnavailableError(
-        absl::StrCat("all ", kLandingWindows, " landing windows are in use"));
+  window_waiters_.push_back({need, wait()});
+  ++counters_.landing_window_waits;
+  return false;
+}
+
+void Connection::ServeWindowWaitersLocked(ReadyWaiters* ready) {
+  // A closing connection's waiters hear it from FinishClose.
+  while (!window_waiters_.empty() && !closed_.load()) {
+    WindowWaiter& waiter = window_waiters_.front();
+    const uint32_t count = WindowsNeededLocked(waiter.need);
+    if (count > free_windows_.size()) return;
+    ReadyWaiter& r = ready->emplace_back();
+    r.ready = std::move(waiter.ready);
+    TakeWindowsLocked(count, &r.windows);
+    window_waiters_.pop_front();
   }
-  *window = free_windows_.back();
-  free_windows_.pop_back();
-  return absl::OkStatus();
 }
 
 Status Connection::BindWindowLocked(WindowGrant& grant, ibv_mr* mr,
@@ -812,53 +850,34 @@ Status Connection::BindWindowLocked(WindowGrant& grant, ibv_mr* mr,
   return absl::OkStatus();
 }
 
-StatusOr<Connection::WindowGrant> Connection::GrantWindow(TensorBuffer block) {
+Status Connection::BindArenaWindow(WindowGrant& grant, TensorBuffer block) {
+  LandingArena* arena = LandingArena::Get();
+  const int segment = arena == nullptr ? -1 : arena->SegmentOf(block.data());
+  if (segment < 0) {
+    return absl::InternalError(
+        "a landing window for memory outside the landing arena");
+  }
   bool register_segment = false;
-  int segment = -1;
-  StatusOr<WindowGrant> granted = absl::UnavailableError("");
   Status posted;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    uint32_t window = 0;
-    Status taken = [&]() -> Status {
-      // The window first: without one (none on the device, say) the
-      // segment is not worth pinning here.
-      RDMARPC_RETURN_IF_ERROR(TakeWindowLocked(&window));
-      Status segment_ready = [&]() -> Status {
-        LandingArena* arena = LandingArena::Get();
-        segment = arena == nullptr ? -1 : arena->SegmentOf(block.data());
-        if (segment < 0) {
-          return absl::InternalError(
-              "a landing window for memory outside the landing arena");
-        }
-        if (arena_mrs_[segment] != nullptr) return absl::OkStatus();
-        if (!segment_unavailable_[segment].ok()) {
-          return segment_unavailable_[segment];
-        }
-        const uint32_t bit = uint32_t{1} << segment;
-        register_segment = (segments_registering_ & bit) == 0;
-        segments_registering_ |= bit;
-        return absl::UnavailableError(absl::StrCat(
-            "segment ", segment,
-            " of the landing arena is being registered on this connection"));
-      }();
-      if (!segment_ready.ok()) free_windows_.push_back(window);
-      return segment_ready;
-    }();
-    if (!taken.ok()) {
-      granted = std::move(taken);
+    if (!grant.reserved_ || grant || grant.conn_.lock().get() != this) {
+      return absl::FailedPreconditionError(
+          "a landing window bound without a reservation");
+    }
+    if (closed_.load()) return close_reason_;
+    if (arena_mrs_[segment] == nullptr) {
+      if (!segment_unavailable_[segment].ok()) {
+        return segment_unavailable_[segment];
+      }
+      const uint32_t bit = uint32_t{1} << segment;
+      register_segment = (segments_registering_ & bit) == 0;
+      segments_registering_ |= bit;
     } else {
-      WindowGrant grant;
-      grant.conn_ = weak_from_this();
-      grant.reserved_ = true;
-      grant.window_ = window;
       posted = BindWindowLocked(grant, arena_mrs_[segment].get(), block);
       if (posted.ok()) {
         grant.block_ = std::move(block);
-        granted = std::move(grant);
-      } else {
-        free_windows_.push_back(window);
-        grant.reserved_ = false;
+        return absl::OkStatus();
       }
     }
   }
@@ -871,20 +890,9 @@ StatusOr<Connection::WindowGrant> Connection::GrantWindow(TensorBuffer block) {
       self->RegisterArenaSegment(segment);
     });
   }
-  return granted;
-}
-
-StatusOr<Connection::WindowGrant> Connection::ReserveWindow() {
-  uint32_t window = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    RDMARPC_RETURN_IF_ERROR(TakeWindowLocked(&window));
-  }
-  WindowGrant grant;
-  grant.conn_ = weak_from_this();
-  grant.reserved_ = true;
-  grant.window_ = window;
-  return grant;
+  return absl::UnavailableError(absl::StrCat(
+      "segment ", segment,
+      " of the landing arena is being registered on this connection"));
 }
 
 Status Connection::BindReserved(WindowGrant& grant, TensorBuffer block,
@@ -905,9 +913,24 @@ Status Connection::BindReserved(WindowGrant& grant, TensorBuffer block,
 }
 
 void Connection::GiveBackWindow(uint32_t window) {
-  std::lock_guard<std::mutex> lock(mu_);
-  // Closed: FinishClose deallocated the windows, or will.
-  if (!closed_.load()) free_windows_.push_back(window);
+  ReadyWaiters waiters;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Closed: FinishClose deallocated the windows, or will.
+    if (closed_.load()) return;
+    free_windows_.push_back(window);
+    if (!window_waiters_.empty()) ServeWindowWaitersLocked(&waiters);
+  }
+  // The caller may hold an endpoint's lock, which the waiters take.
+  for (ReadyWaiter& w : waiters) {
+    RunAside([w = std::make_shared<ReadyWaiter>(std::move(w))] {
+      w->ready(absl::OkStatus(), std::move(w->windows));
+    });
+  }
+}
+
+void Connection::SetLandingWindowsForTesting(uint32_t windows) {
+  landing_windows_for_testing.store(windows);
 }
 
 Status Connection::SetUpWindows() {
@@ -922,7 +945,8 @@ Status Connection::SetUpWindows() {
           " has no type-2 memory windows: landing memory is registered "
           "per call for remote write"));
     }
-    for (uint32_t i = 0; i < kLandingWindows; ++i) {
+    const uint32_t count = landing_windows_for_testing.load();
+    for (uint32_t i = 0; i < (count == 0 ? kLandingWindows : count); ++i) {
       errno = 0;
       MemoryWindow mw(ibv_alloc_mw(res_.pd.get(), IBV_MW_TYPE_2));
       if (mw == nullptr) {
@@ -1034,14 +1058,10 @@ void Connection::KeepUntilWindowsGoLocked(MemoryRegion mr) {
   DeregisterAside(std::move(mrs), shared_from_this());
 }
 
-void Connection::DropWindowRegions(std::vector<MemoryRegion> mrs) {
+void Connection::DropWindowRegion(MemoryRegion mr) {
+  if (mr == nullptr || mr->length < kRegisterAsideBytes) return;  // here
   std::vector<MemoryRegion> large;
-  for (MemoryRegion& mr : mrs) {
-    if (mr != nullptr && mr->length >= kRegisterAsideBytes) {
-      large.push_back(std::move(mr));
-    }
-  }
-  mrs.clear();  // the small ones, here
+  large.push_back(std::move(mr));
   DeregisterAside(std::move(large), shared_from_this());
 }
 
@@ -1094,6 +1114,7 @@ bool Connection::FinishClose() {
   group->DrainHeld();
   finished_.store(true, std::memory_order_relaxed);
   std::vector<std::function<void(Status)>> pending;
+  std::vector<WindowsReady> waiters;
   Status why = CloseReason();
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1101,6 +1122,9 @@ bool Connection::FinishClose() {
     // 50 s to destroy it): the windows go first.
     windows_.clear();
     free_windows_.clear();
+    for (WindowWaiter& w : window_waiters_)
+      waiters.push_back(std::move(w.ready));
+    window_waiters_.clear();
     // Their registrations deregister now; large ones take long (aside).
     std::vector<MemoryRegion> window_mrs = std::move(regions_under_windows_);
     for (Posted& posted : posted_) {
@@ -1156,6 +1180,8 @@ bool Connection::FinishClose() {
   for (auto& f : pending) f(why);
   std::shared_ptr<Handler> handler = std::move(handler_);
   handler->OnClosed(why);
+  // After the handler: its calls waiting for windows are over already.
+  for (WindowsReady& ready : waiters) ready(why, {});
   return true;
 }
 

@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "absl/container/inlined_vector.h"
+#include "absl/functional/function_ref.h"
 #include "google/protobuf/message_lite.h"
 #include "rdmarpc/memory.h"
 #include "rdmarpc/status.h"
@@ -245,7 +246,8 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // arena, and a registration is dropped (aside from kRegisterAsideBytes),
   // only once that completed or the connection's windows are gone,
   // whoever still holds views of the memory. Destroying it ends it too; a
-  // reserved window (ReserveWindow) not bound yet is given back. Move-only.
+  // reserved window (ReserveWindows) not bound yet is given back.
+  // Move-only.
   class WindowGrant {
    public:
     WindowGrant() = default;
@@ -282,21 +284,46 @@ class Connection : public std::enable_shared_from_this<Connection>,
     TensorBuffer block_;
     MemoryRegion mr_;  // null over the arena
   };
-  // Binds a window over `block` (a block of the landing arena) for remote
-  // write; the bind is posted now, so it comes before any frame queued
-  // after this returns (the grant that names it). An error when the
-  // arena's segment is not registered here (yet: the first grant in a
-  // segment starts registering it aside; or not at all, with a
-  // locked-memory limit too low for the arena), or no window can be had
-  // (none on the device, every one in use): it says why. The caller then
-  // grants the block another way (ReserveWindow).
-  [[nodiscard]] StatusOr<WindowGrant> GrantWindow(TensorBuffer block);
-  // Takes a window for memory registered for one grant, bound later
-  // (WindowGrant::Bind; the registration may run aside meanwhile). An
-  // error when none can be had (none on the device, every one in use, the
-  // connection closed): the caller then registers that memory for remote
-  // write instead.
-  [[nodiscard]] StatusOr<WindowGrant> ReserveWindow();
+  using WindowGrants = absl::InlinedVector<WindowGrant, 1>;
+  // What one grant's landings need windows for: `in_arena` of them in the
+  // landing arena's block at `arena_block` (one window over the block
+  // once its segment is registered here, else one each), and `outside`
+  // others registered for the grant (one each).
+  struct WindowNeed {
+    const void* arena_block = nullptr;
+    uint32_t in_arena = 0;
+    uint32_t outside = 0;
+  };
+  // Runs once with the windows a waiting grant asked for, or with the
+  // error that closed the connection (and none).
+  using WindowsReady = std::function<void(Status, WindowGrants)>;
+  // Reserves the windows for one grant's landings, all at once (a grant
+  // that took some and waited for the rest could wait on another doing
+  // the same). True when they are in `*windows` now, reserved and not
+  // bound (WindowGrant::Bind, BindArenaWindow); none where none can be had
+  // (no windows on the device, more needed than a connection has, the
+  // connection closed): those landings are registered for remote write.
+  // False when fewer are free or an earlier grant waits: `wait` is called
+  // under the connection's lock (it must only make the continuation), and
+  // what it returns runs once the windows are free, first come first
+  // served, on the thread that freed the last one (the poller, or the
+  // registration thread) with no lock held, or from FinishClose with the
+  // close's error.
+  [[nodiscard]] bool ReserveWindows(const WindowNeed& need,
+                                    WindowGrants* windows,
+                                    absl::FunctionRef<WindowsReady()> wait);
+  // Binds the reserved window `grant` over `block` (a block of the landing
+  // arena) for remote write; the bind is posted now, so it comes before
+  // any frame queued after this returns (the grant that names it). An
+  // error when the arena's segment is not registered here (yet: the first
+  // grant in a segment starts registering it aside; or not at all, with a
+  // locked-memory limit too low for the arena), or the post failed (the
+  // connection closes): `grant` stays reserved, and the caller grants the
+  // block's landings another way.
+  [[nodiscard]] Status BindArenaWindow(WindowGrant& grant, TensorBuffer block);
+  // Tests: connections made after this have `windows` landing windows
+  // (0: kLandingWindows).
+  static void SetLandingWindowsForTesting(uint32_t windows);
 
   // Counters for tests and stats (waits_for_credit: times a frame or write
   // had to wait for a peer receive or a send slot).
@@ -402,7 +429,8 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // type-2 windows, say) stays in windows_unavailable_.
   Status SetUpWindows();
   // Registers a segment of the landing arena here (registration thread;
-  // GrantWindow starts it when a block of that segment is first granted).
+  // BindArenaWindow starts it when a block of that segment is first
+  // granted).
   void RegisterArenaSegment(int segment);
   // Posts a bind or invalidation of window `window` (wr.opcode and its
   // fields set); `done` runs as for a frame's `sent`, and `block` and `mr`
@@ -412,8 +440,19 @@ class Connection : public std::enable_shared_from_this<Connection>,
   Status PostWindowOpLocked(ibv_send_wr& wr, int window,
                             std::function<void(Status)> done,
                             TensorBuffer&& block = {}, MemoryRegion&& mr = {});
-  // Takes a free window for a grant: OK, or why none can be had.
-  Status TakeWindowLocked(uint32_t* window);
+  // Windows `need` takes now (the arena's segment may have been
+  // registered since it waited).
+  uint32_t WindowsNeededLocked(const WindowNeed& need) const;
+  // Moves `count` free windows, reserved, to `*windows`.
+  void TakeWindowsLocked(uint32_t count, WindowGrants* windows);
+  // Hands free windows to the waiting grants that they now cover, in
+  // order, into `*ready` (run with no lock held).
+  struct ReadyWaiter {
+    WindowsReady ready;
+    WindowGrants windows;
+  };
+  using ReadyWaiters = absl::InlinedVector<ReadyWaiter, 1>;
+  void ServeWindowWaitersLocked(ReadyWaiters* ready);
   // Posts the bind of `grant`'s reserved window over `block` in `mr`.
   Status BindWindowLocked(WindowGrant& grant, ibv_mr* mr,
                           const TensorBuffer& block);
@@ -430,7 +469,7 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // Drops registrations whose windows are invalidated or gone: here, or
   // aside from kRegisterAsideBytes (holding this connection, so its
   // domain, until then).
-  void DropWindowRegions(std::vector<MemoryRegion> mrs);
+  void DropWindowRegion(MemoryRegion mr);
   Status CloseReason() const;
   void HandleCompletion(const ibv_wc& wc);
   void Fail(const std::string& what);
@@ -494,6 +533,12 @@ class Connection : public std::enable_shared_from_this<Connection>,
   std::vector<MemoryRegion> regions_under_windows_;
   std::vector<MemoryWindow> windows_;
   std::vector<uint32_t> free_windows_;
+  // Grants waiting for windows (ReserveWindows), oldest first.
+  struct WindowWaiter {
+    WindowNeed need;
+    WindowsReady ready;
+  };
+  std::deque<WindowWaiter> window_waiters_;
 };
 
 }  // namespace rdmarpc::rdma

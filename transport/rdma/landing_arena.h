@@ -2,7 +2,7 @@
 // neither an allocation nor a registration of its own: each connection
 // registers the arena's segments once, off the thread that polls it, and
 // grants blocks of them through memory windows bound per grant
-// (Connection::GrantWindow), so a peer still writes only into the blocks
+// (Connection::BindArenaWindow), so a peer still writes only into the blocks
 // its open grants name.
 //
 //   LandingArena* arena = LandingArena::Get();  // null: turned off

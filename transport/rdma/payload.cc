@@ -405,27 +405,41 @@ bool InBlock(const TensorBuffer& block, const TensorBuffer& part) {
 
 }  // namespace
 
+bool ReserveLandingWindows(IncomingPayload* in, Connection* conn,
+                           absl::FunctionRef<Connection::WindowsReady()> wait) {
+  Connection::WindowNeed need;
+  for (size_t k = 0; k < in->landing.size(); ++k) {
+    if (InBlock(in->arena_block, in->landing[k])) {
+      ++need.in_arena;
+    } else if (in->landing_movers[k]->LandsThroughWindows()) {
+      ++need.outside;
+    }
+  }
+  if (need.in_arena == 0 && need.outside == 0) return true;
+  if (need.in_arena > 0) need.arena_block = in->arena_block.data();
+  return conn->ReserveWindows(need, &in->windows, wait);
+}
+
 bool GrantThroughWindow(IncomingPayload* in, Connection* conn) {
-  if (in->arena_block.empty() || !in->windows.empty()) return false;
+  if (in->arena_block.empty() || in->windows.empty() || in->windows.front()) {
+    return false;
+  }
   for (const TensorBuffer& landing : in->landing) {
     if (!InBlock(in->arena_block, landing)) return false;
   }
-  StatusOr<Connection::WindowGrant> window = conn->GrantWindow(in->arena_block);
-  if (!window.ok()) return false;
-  in->windows.push_back(*std::move(window));
-  return true;
+  return conn->BindArenaWindow(in->windows.front(), in->arena_block).ok();
 }
 
 Status RegisterLandingMemory(IncomingPayload* in, Connection* conn) {
-  // The arena block's window, when there is one, is the first.
-  if (!in->arena_block.empty() && in->windows.empty()) {
-    // Without a window (none free, or none on this device) the block is
-    // registered per call like any other landing memory.
-    StatusOr<Connection::WindowGrant> window =
-        conn->GrantWindow(in->arena_block);
-    if (window.ok()) in->windows.push_back(*std::move(window));
-  }
-  const bool arena_windowed = !in->arena_block.empty() && !in->windows.empty();
+  // The reserved windows are bound in order, the arena block's first
+  // (GrantThroughWindow may have bound it already). Without one over the
+  // block (its segment not registered here yet), its landings take one
+  // each like any other.
+  const bool arena_windowed =
+      !in->arena_block.empty() && !in->windows.empty() &&
+      (in->windows.front() ||
+       conn->BindArenaWindow(in->windows.front(), in->arena_block).ok());
+  size_t next_window = arena_windowed ? 1 : 0;
   for (size_t k = 0; k < in->landing.size(); ++k) {
     const TensorBuffer& landing = in->landing[k];
     const PayloadMover* mover = in->landing_movers[k];
@@ -434,26 +448,25 @@ Status RegisterLandingMemory(IncomingPayload* in, Connection* conn) {
       in->landing_rkeys.push_back(in->windows.front().rkey());
       continue;
     }
-    if (mover->LandsThroughWindows()) {
-      StatusOr<Connection::WindowGrant> window = conn->ReserveWindow();
-      if (window.ok()) {
-        RDMARPC_ASSIGN_OR_RETURN(
-            MemoryRegion mr, mover->RegisterLanding(conn->pd(), landing,
-                                                    LandingAccess::kWindow));
-        // Fault injection: the connection starts closing meanwhile (a
-        // registration aside takes long), so the bind fails.
-        if (RDMARPC_FAULT("rdma.close_before_window_bind")) {
-          conn->Close(absl::UnavailableError("fault: closed before a bind"),
-                      "fault");
-        }
-        ++in->registrations;
-        RDMARPC_RETURN_IF_ERROR(window->Bind(landing, std::move(mr)));
-        in->landing_mrs.emplace_back();
-        in->landing_rkeys.push_back(window->rkey());
-        in->windows.push_back(*std::move(window));
-        continue;
+    if (mover->LandsThroughWindows() && next_window < in->windows.size()) {
+      Connection::WindowGrant& window = in->windows[next_window++];
+      RDMARPC_ASSIGN_OR_RETURN(
+          MemoryRegion mr,
+          mover->RegisterLanding(conn->pd(), landing, LandingAccess::kWindow));
+      // Fault injection: the connection starts closing meanwhile (a
+      // registration aside takes long), so the bind fails.
+      if (RDMARPC_FAULT("rdma.close_before_window_bind")) {
+        conn->Close(absl::UnavailableError("fault: closed before a bind"),
+                    "fault");
       }
+      ++in->registrations;
+      RDMARPC_RETURN_IF_ERROR(window.Bind(landing, std::move(mr)));
+      in->landing_mrs.emplace_back();
+      in->landing_rkeys.push_back(window.rkey());
+      continue;
     }
+    // No window for it: none on the device, a GPU's memory, or more
+    // landings than the connection has windows.
     RDMARPC_ASSIGN_OR_RETURN(
         MemoryRegion mr, mover->RegisterLanding(conn->pd(), landing,
                                                 LandingAccess::kRemoteWrite));
@@ -461,6 +474,9 @@ Status RegisterLandingMemory(IncomingPayload* in, Connection* conn) {
     in->landing_rkeys.push_back(mr->rkey);
     in->landing_mrs.push_back(std::move(mr));
   }
+  // Reserved for the arena's segment while it was not registered here,
+  // and not needed since: given back.
+  in->windows.erase(in->windows.begin() + next_window, in->windows.end());
   return absl::OkStatus();
 }
 

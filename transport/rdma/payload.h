@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/container/inlined_vector.h"
+#include "absl/functional/function_ref.h"
 #include "google/protobuf/message.h"
 #include "google/protobuf/repeated_ptr_field.h"
 #include "rdmarpc/memory.h"
@@ -125,12 +126,12 @@ struct IncomingPayload {
   absl::InlinedVector<uint32_t, 2> landing_rkeys;
   // The landing-arena block that the call's host landings share.
   TensorBuffer arena_block;
-  // The windows that grant landings (when the connection had them free):
-  // one over the arena block, one over each other landing whose memory is
-  // registered for this grant (the window owns that registration). The
-  // endpoint ends them (EndLandingWindows) before FinishPayload reads the
-  // bytes.
-  absl::InlinedVector<Connection::WindowGrant, 1> windows;
+  // The windows that grant landings, reserved (ReserveLandingWindows)
+  // and then bound (RegisterLandingMemory): one over the arena block, one
+  // over each other landing whose memory is registered for this grant
+  // (the window owns that registration). The endpoint ends them
+  // (EndLandingWindows) before FinishPayload reads the bytes.
+  Connection::WindowGrants windows;
   // Landings registered for this grant alone (for stats).
   uint32_t registrations = 0;
   // Per landing: how its bytes move (payload_mover.h).
@@ -162,20 +163,31 @@ struct IncomingPayload {
     const google::protobuf::Message* prototype, const GpuAccess& gpu,
     IncomingPayload* in);
 
-// Grants in.landing remote write for the grant's lifetime, through
-// windows of `conn` where it has them free: the arena block through one
-// (unless GrantThroughWindow did already), each other landing whose mover
-// allows it through one over its own registration (LandingAccess::kWindow);
-// the rest registered for remote write. Landings of 1 MiB or more are
-// registered aside (the caller runs this there).
+// Reserves the windows that will grant in.landing (Connection::
+// ReserveWindows): one over the arena block (one per landing in it while
+// its segment is not registered on `conn`) and one per other landing
+// whose mover lands through windows. True when they are in in.windows
+// now (or none can be had); false when the grant waits for them: `wait`
+// makes the continuation that gets them.
+[[nodiscard]] bool ReserveLandingWindows(
+    IncomingPayload* in, Connection* conn,
+    absl::FunctionRef<Connection::WindowsReady()> wait);
+
+// Grants in.landing remote write for the grant's lifetime through the
+// windows in.windows holds (ReserveLandingWindows): the arena block
+// through the first (unless GrantThroughWindow bound it already), each
+// other landing through one over its own registration
+// (LandingAccess::kWindow); landings left without one registered for
+// remote write. Windows not needed go back. Landings of 1 MiB or more
+// are registered aside (the caller runs this there).
 [[nodiscard]] Status RegisterLandingMemory(IncomingPayload* in,
                                            Connection* conn);
 
-// Grants the whole landing through one window of `conn` when every part
-// lands in the arena's block and a window is free: true if so, and then
-// RegisterLandingMemory has nothing left to register, so the poller can
-// grant a landing of any size without pinning a page. False leaves `in`
-// as it was.
+// Grants the whole landing through the first reserved window when every
+// part lands in the arena's block and its segment is registered on
+// `conn`: true if so, and then RegisterLandingMemory has nothing left to
+// register, so the poller can grant a landing of any size without
+// pinning a page. False leaves `in` as it was.
 bool GrantThroughWindow(IncomingPayload* in, Connection* conn);
 
 // Ends every window of in.windows (and empties it). True: `done` runs

@@ -233,6 +233,7 @@ RdmaServerStats RdmaServerTransport::stats() const {
   s.protocol_errors = shared_->protocol_errors.load();
   s.landing_windows = shared_->landing_windows.load();
   s.landing_registrations = shared_->landing_registrations.load();
+  s.landing_window_waits = shared_->landing_window_waits.load();
   return s;
 }
 

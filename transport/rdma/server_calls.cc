@@ -36,7 +36,8 @@ void AddResponseMetadata(const internal::ServerCallState& state,
 
 struct ServerRecord {
   enum class Stage {
-    kRegistering,       // large landing memory being registered aside
+    kRegistering,       // waiting for windows, or large landing memory
+                        // being registered aside
     kAwaitRequestData,  // landing memory granted, client writing
     kEndingGrant,       // written; windows invalidated, large landing
                         // regions deregistered aside
@@ -288,6 +289,46 @@ Status ServerEndpoint::AdmitRequest(const FrameView& frame, ReadyCalls* ready) {
     DispatchLocked(call_id);
     return absl::OkStatus();
   }
+  // The windows for its landings first: when other grants hold them, it
+  // waits for theirs to end (GrantWithWindows).
+  const bool reserved = ReserveLandingWindows(&r.in, conn_.get(), [&] {
+    return Connection::WindowsReady(
+        [self = weak_from_this(), call_id, state = r.state](
+            Status ready, Connection::WindowGrants windows) {
+          if (auto endpoint = self.lock()) {
+            endpoint->GrantWithWindows(call_id, state, std::move(ready),
+                                       std::move(windows));
+          }
+        });
+  });
+  if (!reserved) {
+    r.stage = ServerRecord::Stage::kRegistering;
+    shared_->landing_window_waits.fetch_add(1, std::memory_order_relaxed);
+    return absl::OkStatus();
+  }
+  GrantReservedLocked(call_id);
+  return absl::OkStatus();
+}
+
+void ServerEndpoint::GrantWithWindows(
+    uint64_t call_id, const std::shared_ptr<internal::ServerCallState>& state,
+    Status ready, Connection::WindowGrants windows) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ServerRecord* r = FindAtStageLocked(
+      call_id, state, static_cast<int>(ServerRecord::Stage::kRegistering));
+  // Cancelled or closed meanwhile: the windows go back.
+  if (r == nullptr) return;
+  if (!ready.ok()) {
+    return FailLocked(call_id, std::move(ready), /*not_executed=*/true);
+  }
+  r->in.windows = std::move(windows);
+  GrantReservedLocked(call_id);
+}
+
+void ServerEndpoint::GrantReservedLocked(uint64_t call_id) {
+  ServerRecord& r = *calls_.at(call_id);
+  uint64_t landing_bytes = 0;
+  for (const TensorBuffer& b : r.in.landing) landing_bytes += b.size();
   // A window over the arena's block grants a landing of any size at the
   // cost of a posted bind.
   if (landing_bytes >= kRegisterAsideBytes &&
@@ -306,16 +347,15 @@ Status ServerEndpoint::AdmitRequest(const FrameView& frame, ReadyCalls* ready) {
       self->GrantRegistered(call_id, state, std::move(*in),
                             std::move(registered));
     });
-    return absl::OkStatus();
+    return;
   }
   Status registered = RegisterLandingMemory(&r.in, conn_.get());
   if (!registered.ok()) {
     // Nothing ran: the client may carry the call over gRPC instead.
     FailLocked(call_id, registered, /*not_executed=*/true);
-    return absl::OkStatus();
+    return;
   }
   GrantLocked(call_id);
-  return absl::OkStatus();
 }
 
 void ServerEndpoint::GrantLocked(uint64_t call_id) {

@@ -54,6 +54,7 @@ struct ServerShared {
   std::atomic<uint64_t> protocol_errors{0};
   std::atomic<uint64_t> landing_windows{0};
   std::atomic<uint64_t> landing_registrations{0};
+  std::atomic<uint64_t> landing_window_waits{0};
   std::shared_ptr<LandingPool> landing;
 };
 
@@ -103,6 +104,15 @@ class ServerEndpoint final
   void Execute(ReadyCalls& ready);
   // Grants r.in to the client. Requires mu_.
   void GrantLocked(uint64_t call_id);
+  // With r.in's windows reserved: registers its landings (aside from
+  // kRegisterAsideBytes, unless one window over the arena grants them
+  // all) and grants them. Requires mu_.
+  void GrantReservedLocked(uint64_t call_id);
+  // A request that waited for windows (at stage kRegistering) has them,
+  // or its connection closed.
+  void GrantWithWindows(uint64_t call_id,
+                        const std::shared_ptr<internal::ServerCallState>& state,
+                        Status ready, Connection::WindowGrants windows);
   // The call's record if it is still `state`'s and at `stage` (a
   // ServerRecord::Stage) on an open connection, else null. Requires mu_.
   ServerRecord* FindAtStageLocked(

@@ -182,6 +182,10 @@ struct ChannelTransportStats {
   // pages per call): outside the landing arena, or in a segment of it the
   // connection has not registered yet.
   uint64_t rdma_landing_registrations = 0;
+  // Responses whose grant waited for windows the connection's other
+  // grants held (each connection has 32), rather than registering their
+  // landings for remote write.
+  uint64_t rdma_landing_window_waits = 0;
   // Times the channel's RDMA watcher woke: every 50 ms while calls are
   // outstanding, never while the channel is idle.
   uint64_t rdma_watch_wakeups = 0;

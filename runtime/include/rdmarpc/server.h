@@ -164,6 +164,10 @@ struct RdmaServerStats {
   // per call): outside the landing arena, or in a segment of it this
   // connection has not registered yet.
   uint64_t landing_registrations = 0;
+  // Requests whose grant waited for windows the connection's other grants
+  // held (each connection has 32), rather than registering their landings
+  // for remote write.
+  uint64_t landing_window_waits = 0;
 };
 
 // What the call log that makes re-sent calls run once has done, over both

@@ -341,6 +341,165 @@ TEST(RdmaTransport, LargeTensorsLandInAGrownArenaSegmentThroughWindows) {
   EXPECT_GT(arena->segments(), segments_before);
 }
 
+bool AllDevicesAreSoftware();
+
+// Connections made while it lives have `windows` landing windows each.
+class LandingWindowsForTesting {
+ public:
+  explicit LandingWindowsForTesting(uint32_t windows) {
+    rdmarpc::rdma::Connection::SetLandingWindowsForTesting(windows);
+  }
+  ~LandingWindowsForTesting() {
+    rdmarpc::rdma::Connection::SetLandingWindowsForTesting(0);
+  }
+};
+
+// An echo started with a callback: with `request_bytes` bytes of
+// Pattern(request_bytes, seed) echoed, or with none and answered with
+// `response_bytes` of Pattern(response_bytes, 7), into `landing` when
+// given.
+struct EchoInFlight {
+  EchoInFlight(E2E::Stub* stub, size_t request_bytes, size_t response_bytes,
+               uint8_t* landing = nullptr, uint32_t seed = 5)
+      : size(request_bytes > 0 ? request_bytes : response_bytes),
+        bytes(Pattern(size, request_bytes > 0 ? seed : 7)) {
+    if (request_bytes > 0) {
+      EXPECT_TRUE(BindBytes(&ctx, &req, bytes.data(), size).ok());
+    } else {
+      req.set_fail_code(2);
+      req.set_note(std::to_string(size));
+    }
+    if (landing != nullptr) {
+      ctx.SetResponseTensorBuffer(0, TensorBuffer::Borrow(landing, size));
+    }
+    stub->Echo(&ctx, req, &resp,
+               [this](rdmarpc::Status s) { done.set_value(std::move(s)); });
+  }
+  // Waits for the answer: true when it came back byte-exact over RDMA
+  // (into `landing`, when given).
+  bool Answered(uint8_t* landing = nullptr) {
+    std::future<rdmarpc::Status> f = done.get_future();
+    if (f.wait_for(std::chrono::seconds(120)) != std::future_status::ready) {
+      ADD_FAILURE() << "no answer";
+      return false;
+    }
+    rdmarpc::Status s = f.get();
+    EXPECT_TRUE(s.ok()) << s;
+    auto out = ctx.tensors().Get(resp.tensor());
+    return s.ok() && out.ok() && out->size() == size &&
+           ctx.stats().transport == rdmarpc::TransportKind::kRdma &&
+           (landing == nullptr || out->data() == landing) &&
+           std::memcmp(out->data(), bytes.data(), size) == 0;
+  }
+
+  const size_t size;
+  const std::vector<uint8_t> bytes;
+  ClientContext ctx;
+  EchoRequest req;
+  EchoResponse resp;
+  std::promise<rdmarpc::Status> done;
+};
+
+// Waits up to a minute for `count()` to reach `want`.
+bool WaitForCount(const std::function<uint64_t()>& count, uint64_t want) {
+  const auto give_up =
+      std::chrono::steady_clock::now() + std::chrono::minutes(1);
+  while (count() < want && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return count() == want;
+}
+
+// Calls until one lands in the arena through its window alone (no
+// registration of its own, as `registrations` counts): a connection
+// registers the arena's segment aside after its first landing there.
+void CallUntilTheArenaIsRegistered(
+    const std::function<void()>& call,
+    const std::function<uint64_t()>& registrations) {
+  const auto give_up =
+      std::chrono::steady_clock::now() + std::chrono::minutes(2);
+  bool in_arena = false;
+  while (!in_arena && std::chrono::steady_clock::now() < give_up) {
+    const uint64_t before = registrations();
+    call();
+    in_arena = registrations() == before;
+    if (!in_arena) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_TRUE(in_arena);
+}
+
+// A response's grant that finds every window of its connection held waits
+// for one to end rather than registering its landing for remote write.
+// The connection has one window here: a large response into the caller's
+// buffer holds it while its registration is held aside (fault point); a
+// small response into the landing arena waits, then lands through it with
+// no registration of its own.
+TEST(RdmaTransport, AResponseWaitsForAWindowWhileTheOnlyOneIsHeld) {
+  LandingWindowsForTesting one_window(1);
+  Service service;
+  int port = 0;
+  auto server = StartServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  auto channel = RdmaChannel(port);
+  auto stub = E2E::NewStub(channel);
+  constexpr size_t kSmall = 64 << 10;
+  constexpr size_t kLarge = 2 << 20;
+  auto registrations = [&] {
+    return channel->transport_stats().rdma_landing_registrations;
+  };
+  ASSERT_NO_FATAL_FAILURE(CallUntilTheArenaIsRegistered(
+      [&] { EXPECT_TRUE(EchoInFlight(stub.get(), 0, kSmall).Answered()); },
+      registrations));
+  rdmarpc::internal::fault::Arm("rdma.client.hold_registration");
+  std::vector<uint8_t> landing(kLarge);
+  EchoInFlight large(stub.get(), 0, kLarge, landing.data());
+  ASSERT_TRUE(WaitUntilArmed("rdma.client.registration_held"));
+  EchoInFlight small(stub.get(), 0, kSmall);
+  EXPECT_TRUE(WaitForCount(
+      [&] { return channel->transport_stats().rdma_landing_window_waits; }, 1));
+  const uint64_t before = registrations();
+  rdmarpc::internal::fault::Disarm("rdma.client.hold_registration");
+  EXPECT_TRUE(large.Answered(landing.data()));
+  EXPECT_TRUE(small.Answered());
+  // The caller's buffer's registration; the small response took none.
+  EXPECT_EQ(registrations() - before, 1u);
+  EXPECT_EQ(channel->transport_stats().rdma_landing_window_waits, 1u);
+}
+
+// The same on the server: a large request whose bytes wait for the
+// process's poster thread (held, fault point; software devices only)
+// holds the server connection's one window, and a small request's grant
+// waits for it.
+TEST(RdmaTransport, ARequestWaitsForAWindowWhileTheOnlyOneIsHeld) {
+  if (!AllDevicesAreSoftware()) {
+    GTEST_SKIP() << "only software devices post large writes aside";
+  }
+  LandingWindowsForTesting one_window(1);
+  Service service;
+  int port = 0;
+  auto server = StartServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  auto stub = E2E::NewStub(RdmaChannel(port));
+  // Over the inline threshold, under the 64 KiB from which writes are
+  // posted aside; the large one over it, under the 1 MiB from which
+  // landings are registered aside.
+  constexpr size_t kSmall = 30000;
+  constexpr size_t kLarge = 512 << 10;
+  ASSERT_NO_FATAL_FAILURE(CallUntilTheArenaIsRegistered(
+      [&] { EXPECT_TRUE(EchoOnce(stub.get(), kSmall, 1)); },
+      [&] { return server->rdma_stats().landing_registrations; }));
+  rdmarpc::internal::fault::Arm("rdma.post_aside.hold");
+  EchoInFlight large(stub.get(), kLarge, 0, nullptr, 2);
+  ASSERT_TRUE(WaitUntilArmed("rdma.post_aside.held"));
+  EchoInFlight small(stub.get(), kSmall, 0, nullptr, 3);
+  EXPECT_TRUE(WaitForCount(
+      [&] { return server->rdma_stats().landing_window_waits; }, 1));
+  rdmarpc::internal::fault::Disarm("rdma.post_aside.hold");
+  EXPECT_TRUE(large.Answered());
+  EXPECT_TRUE(small.Answered());
+  EXPECT_EQ(server->rdma_stats().landing_window_waits, 1u);
+}
+
 // A handler that blocks on the engine is counted, so it can be found.
 TEST(RdmaTransport, InlineHandlerThatBlocksIsCountedAsAStall) {
   Service service;
