@@ -582,8 +582,11 @@ void ClientEndpoint::GrantWithWindows(uint64_t call_id, Status ready,
     auto it = calls_.find(call_id);
     // Cancelled, expired or closed meanwhile: the windows go back. A
     // closed connection's calls are OnClosed's to re-send.
+    // Decided (a cancel, say) while its request's bytes still leave:
+    // granting now would follow the cancel the server has heard.
     if (!closed_.ok() || it == calls_.end() || !ready.ok() ||
-        it->second->stage != ClientRecord::Stage::kRegisteringResponse) {
+        it->second->stage != ClientRecord::Stage::kRegisteringResponse ||
+        it->second->deferred.has_value()) {
       return;
     }
     it->second->awaiting_windows = false;
@@ -643,10 +646,11 @@ void ClientEndpoint::GrantRegistered(uint64_t call_id, IncomingPayload in,
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = calls_.find(call_id);
-    // Cancelled, expired or closed meanwhile: `in` and its registrations
-    // go here.
+    // Cancelled, expired or closed meanwhile (or decided while its
+    // request's bytes still leave): `in` and its registrations go here.
     if (!closed_.ok() || it == calls_.end() ||
-        it->second->stage != ClientRecord::Stage::kRegisteringResponse) {
+        it->second->stage != ClientRecord::Stage::kRegisteringResponse ||
+        it->second->deferred.has_value()) {
       return;
     }
     it->second->stage = ClientRecord::Stage::kAwaitResponse;

@@ -5,9 +5,12 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
+#include <string_view>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "rdmarpc/memory.h"
 #include "runtime/spin.h"
 #include "transport/rdma/connection.h"
 
@@ -24,6 +27,23 @@ constexpr uint32_t kGenerationMask =
 
 // The group this thread holds (TryTake), if any.
 thread_local const CompletionGroup* held_group = nullptr;
+
+// Whether the connections of a group on `device` share one protection
+// domain: only where every landing can be granted through a type-2
+// window of its own queue pair. GPU direct landings are still registered
+// for remote write (windows over GPU memory were never tried on a
+// device), so a process with a GPU keeps a domain per connection.
+// RDMARPC_RDMA_SHARED_DOMAINS=0 keeps one per connection anywhere.
+bool SharesDomain(ibv_context* device) {
+  if (const char* env = std::getenv("RDMARPC_RDMA_SHARED_DOMAINS");
+      env != nullptr && std::string_view(env) == "0") {
+    return false;
+  }
+  ibv_device_attr attr{};
+  return ibv_query_device(device, &attr) == 0 &&
+         (attr.device_cap_flags & IBV_DEVICE_MEM_WINDOW_TYPE_2B) != 0 &&
+         CudaDeviceCount() == 0;
+}
 
 std::atomic<uint32_t> max_members_for_testing{0};
 
@@ -95,6 +115,9 @@ StatusOr<std::shared_ptr<CompletionGroup>> CompletionGroup::Create(
   }
   RDMARPC_ASSIGN_OR_RETURN(
       group->cq_, CreateCq(device, queue_entries, group->channel_.get()));
+  if (SharesDomain(device)) {
+    RDMARPC_ASSIGN_OR_RETURN(group->pd_, AllocatePd(device));
+  }
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.ptr = group.get();
@@ -204,6 +227,8 @@ void CompletionGroup::Leave(uint32_t key, uint32_t entries) {
   (void)epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, channel_->fd, nullptr);
   cq_.reset();
   channel_.reset();
+  // Every member's queue pair and regions went before its membership.
+  pd_.reset();
   released_.store(true, std::memory_order_release);
   if (!held) polling_.store(false, std::memory_order_release);
 }

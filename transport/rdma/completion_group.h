@@ -22,8 +22,14 @@
 // server's join different groups, so a caller never runs a server's
 // handler on its own thread.
 //
-// Ownership: the engine and every member hold the group. Its queue and
-// completion channel go with its last member (Membership's destructor),
+// A group also holds a protection domain its members share, where the
+// device has type-2 memory windows and the process no GPU (SharesDomain):
+// a member then grants landing memory only through windows bound to its
+// own queue pair, never through a registration for remote write, which
+// any queue pair of the domain could use.
+//
+// Ownership: the engine and every member hold the group. Its queue, domain
+// and completion channel go with its last member (Membership's destructor),
 // which a connection holds beside its CM id and gives up before it: a
 // removed device's context is freed with its last id.
 #ifndef RDMARPC_TRANSPORT_RDMA_COMPLETION_GROUP_H_
@@ -127,6 +133,8 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   // names the group after the engine's next wait, so it may drop it.
   bool released() const { return released_.load(std::memory_order_acquire); }
   ibv_cq* cq() const { return cq_.get(); }
+  // The domain the members share; null where each has its own.
+  ibv_pd* pd() const { return pd_.get(); }
 
   // Polling, one thread at a time. TryTake: false while another thread
   // holds the group, or once it is closed. The engine never waits for a
@@ -177,6 +185,7 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   // Written only with polling_ held (or before the first member joins).
   CompletionChannel channel_;
   CompletionQueue cq_;
+  ProtectionDomain pd_;  // see pd(); goes with the queue
   // Per slot: the installed connection (its key says whether a
   // completion is its own). Read by the polling thread; cleared with
   // polling_ held, so no completion is being handed to it then.

@@ -773,16 +773,31 @@ bool Connection::WindowGrant::End(std::function<void(Status)> done) {
   return conn->EndWindow(*this, std::move(done));
 }
 
-uint32_t Connection::WindowsNeededLocked(const WindowNeed& need) const {
-  uint32_t count = need.outside;
-  if (need.in_arena > 0) {
-    LandingArena* arena = LandingArena::Get();
-    const int segment =
-        arena == nullptr ? -1 : arena->SegmentOf(need.arena_block);
-    const bool registered = segment >= 0 && arena_mrs_[segment] != nullptr;
-    count += registered ? 1 : need.in_arena;
+uint32_t Connection::WindowsNeededLocked(const WindowNeed& need) {
+  if (need.in_arena == 0) return need.outside;
+  LandingArena* arena = LandingArena::Get();
+  const int segment =
+      arena == nullptr ? -1 : arena->SegmentOf(need.arena_block);
+  if (segment >= 0 && arena_mrs_[segment] != nullptr) return need.outside + 1;
+  const bool registering = segment >= 0 && StartSegmentLocked(segment);
+  const uint32_t count = need.outside + need.in_arena;
+  if (count > windows_.size() && registering &&
+      need.outside < windows_.size()) {
+    return kAfterSegment;
   }
   return count;
+}
+
+bool Connection::StartSegmentLocked(int segment) {
+  if (!segment_unavailable_[segment].ok()) return false;
+  const uint32_t bit = uint32_t{1} << segment;
+  if ((segments_registering_ & bit) == 0) {
+    segments_registering_ |= bit;
+    RunAside([self = shared_from_this(), segment] {
+      self->RegisterArenaSegment(segment);
+    });
+  }
+  return true;
 }
 
 void Connection::TakeWindowsLocked(uint32_t count, WindowGrants* windows) {
@@ -798,15 +813,19 @@ void Connection::TakeWindowsLocked(uint32_t count, WindowGrants* windows) {
 bool Connection::ReserveWindows(const WindowNeed& need, WindowGrants* windows,
                                 absl::FunctionRef<WindowsReady()> wait) {
   std::lock_guard<std::mutex> lock(mu_);
-  const uint32_t count = WindowsNeededLocked(need);
-  if (count == 0 || closed_.load() || res_.qp.get() == nullptr ||
-      !windows_unavailable_.ok() || count > windows_.size()) {
+  if (closed_.load() || res_.qp.get() == nullptr ||
+      !windows_unavailable_.ok()) {
     return true;
   }
   // Fault injection: a device without type-2 windows, so that landings
   // are registered for remote write per call.
   if (RDMARPC_FAULT("rdma.no_landing_windows")) return true;
-  if (window_waiters_.empty() && free_windows_.size() >= count) {
+  const uint32_t count = WindowsNeededLocked(need);
+  // More than the connection has: those landings get none.
+  if (count == 0 || (count != kAfterSegment && count > windows_.size())) {
+    return true;
+  }
+  if (window_waiters_.empty() && count <= free_windows_.size()) {
     TakeWindowsLocked(count, windows);
     return true;
   }
@@ -819,7 +838,11 @@ void Connection::ServeWindowWaitersLocked(ReadyWaiters* ready) {
   // A closing connection's waiters hear it from FinishClose.
   while (!window_waiters_.empty() && !closed_.load()) {
     WindowWaiter& waiter = window_waiters_.front();
-    const uint32_t count = WindowsNeededLocked(waiter.need);
+    uint32_t count = WindowsNeededLocked(waiter.need);
+    if (count == kAfterSegment) return;
+    // The segment could not be registered: more than the connection has,
+    // so none.
+    if (count > windows_.size()) count = 0;
     if (count > free_windows_.size()) return;
     ReadyWaiter& r = ready->emplace_back();
     r.ready = std::move(waiter.ready);
@@ -857,7 +880,6 @@ Status Connection::BindArenaWindow(WindowGrant& grant, TensorBuffer block) {
     return absl::InternalError(
         "a landing window for memory outside the landing arena");
   }
-  bool register_segment = false;
   Status posted;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -867,12 +889,7 @@ Status Connection::BindArenaWindow(WindowGrant& grant, TensorBuffer block) {
     }
     if (closed_.load()) return close_reason_;
     if (arena_mrs_[segment] == nullptr) {
-      if (!segment_unavailable_[segment].ok()) {
-        return segment_unavailable_[segment];
-      }
-      const uint32_t bit = uint32_t{1} << segment;
-      register_segment = (segments_registering_ & bit) == 0;
-      segments_registering_ |= bit;
+      if (!StartSegmentLocked(segment)) return segment_unavailable_[segment];
     } else {
       posted = BindWindowLocked(grant, arena_mrs_[segment].get(), block);
       if (posted.ok()) {
@@ -884,11 +901,6 @@ Status Connection::BindArenaWindow(WindowGrant& grant, TensorBuffer block) {
   if (!posted.ok()) {
     Close(posted, "post error");
     return posted;
-  }
-  if (register_segment) {
-    RunAside([self = shared_from_this(), segment] {
-      self->RegisterArenaSegment(segment);
-    });
   }
   return absl::UnavailableError(absl::StrCat(
       "segment ", segment,
@@ -929,6 +941,12 @@ void Connection::GiveBackWindow(uint32_t window) {
   }
 }
 
+Status Connection::WindowsUnavailable() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_.load()) return close_reason_;
+  return windows_unavailable_;
+}
+
 void Connection::SetLandingWindowsForTesting(uint32_t windows) {
   landing_windows_for_testing.store(windows);
 }
@@ -948,7 +966,7 @@ Status Connection::SetUpWindows() {
     const uint32_t count = landing_windows_for_testing.load();
     for (uint32_t i = 0; i < (count == 0 ? kLandingWindows : count); ++i) {
       errno = 0;
-      MemoryWindow mw(ibv_alloc_mw(res_.pd.get(), IBV_MW_TYPE_2));
+      MemoryWindow mw(ibv_alloc_mw(res_.pd, IBV_MW_TYPE_2));
       if (mw == nullptr) {
         return VerbsError("ibv_alloc_mw", errno != 0 ? errno : ENOMEM);
       }
@@ -976,22 +994,28 @@ void Connection::RegisterArenaSegment(int segment) {
   // region is kept under it. The domain outlives it (arena_mrs_ is
   // declared after res_).
   StatusOr<MemoryRegion> mr =
-      reserved ? RegisterMemory(res_.pd.get(), memory.base, memory.size,
+      reserved ? RegisterMemory(res_.pd, memory.base, memory.size,
                                 IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND)
                : StatusOr<MemoryRegion>(absl::ResourceExhaustedError(""));
-  std::lock_guard<std::mutex> lock(mu_);
-  segments_registering_ &= ~(uint32_t{1} << segment);
-  if (closed_.load() || !mr.ok()) {
-    if (mr.ok()) mr->reset();  // here, on the registration thread
-    if (reserved) ReleaseArenaPin(memory.size);
-    // A device's refusal stands: that segment's blocks are registered per
-    // call on this connection from now on, saying why.
-    if (reserved && !mr.ok()) segment_unavailable_[segment] = mr.status();
-    if (!fits.ok()) segment_unavailable_[segment] = fits;
-    return;
+  ReadyWaiters waiters;  // grants that waited for the segment
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    segments_registering_ &= ~(uint32_t{1} << segment);
+    if (closed_.load() || !mr.ok()) {
+      if (mr.ok()) mr->reset();  // here, on the registration thread
+      if (reserved) ReleaseArenaPin(memory.size);
+      // A device's refusal stands: that segment's blocks are registered
+      // per call on this connection from now on, saying why.
+      if (reserved && !mr.ok()) segment_unavailable_[segment] = mr.status();
+      if (!fits.ok()) segment_unavailable_[segment] = fits;
+    } else {
+      arena_mrs_[segment] = *std::move(mr);
+      arena_pinned_ += memory.size;
+    }
+    if (!window_waiters_.empty()) ServeWindowWaitersLocked(&waiters);
   }
-  arena_mrs_[segment] = *std::move(mr);
-  arena_pinned_ += memory.size;
+  for (ReadyWaiter& w : waiters)
+    w.ready(absl::OkStatus(), std::move(w.windows));
 }
 
 Status Connection::PostWindowOpLocked(ibv_send_wr& wr, int window,

@@ -103,11 +103,15 @@ struct ConnectionResources {
   // (shared, so it stays open until this id is destroyed).
   SharedEventChannel events;
   CmId id;
-  ProtectionDomain pd;
+  // The connection's own protection domain, where it does not share its
+  // group's (CompletionGroup::pd).
+  ProtectionDomain own_pd;
   // The completion queue the queue pair shares with the other connections
-  // of its engine on this device. Left after the queue pair is destroyed
-  // and before the id (the last member destroys the queue).
+  // of its engine on this device, and their domain where they share one.
+  // Left after the queue pair and the regions are destroyed and before
+  // the id (the last member destroys the queue and the domain).
   CompletionGroup::Membership group;
+  ibv_pd* pd = nullptr;  // own_pd's or the group's
   MemoryRegion receive_mr;
   MemoryRegion send_mr;
   CmQueuePair qp;
@@ -198,7 +202,14 @@ class Connection : public std::enable_shared_from_this<Connection>,
   size_t max_frame_bytes() const { return config_.peer_receive_bytes; }
   // Bytes a frame from the peer may take (this side's receive size).
   size_t receive_bytes() const { return config_.receive_bytes; }
-  ibv_pd* pd() const { return res_.pd.get(); }
+  ibv_pd* pd() const { return res_.pd; }
+  // Whether other connections share pd(): landing memory is then granted
+  // only through this connection's windows, never registered for remote
+  // write.
+  bool shares_domain() const { return res_.own_pd == nullptr; }
+  // Why the connection has no windows to grant with (none on the device,
+  // or it closed); OK while it has them.
+  Status WindowsUnavailable() const;
   ibv_cq* cq() const { return res_.group.cq(); }
   CompletionGroup* group() const { return res_.group.group(); }
   // Which of the group's completions are this connection's.
@@ -441,8 +452,15 @@ class Connection : public std::enable_shared_from_this<Connection>,
                             std::function<void(Status)> done,
                             TensorBuffer&& block = {}, MemoryRegion&& mr = {});
   // Windows `need` takes now (the arena's segment may have been
-  // registered since it waited).
-  uint32_t WindowsNeededLocked(const WindowNeed& need) const;
+  // registered since it waited): one over the arena's block once its
+  // segment is registered here, else one per landing in it, starting that
+  // registration if nobody has. kAfterSegment where that is more than the
+  // connection has but one for the block would do: wait for the segment.
+  static constexpr uint32_t kAfterSegment = ~uint32_t{0};
+  uint32_t WindowsNeededLocked(const WindowNeed& need);
+  // Starts registering arena segment `segment` here (aside) unless it is
+  // already; false when it cannot be (see segment_unavailable_).
+  bool StartSegmentLocked(int segment);
   // Moves `count` free windows, reserved, to `*windows`.
   void TakeWindowsLocked(uint32_t count, WindowGrants* windows);
   // Hands free windows to the waiting grants that they now cover, in

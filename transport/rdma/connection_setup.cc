@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
@@ -20,6 +21,9 @@ constexpr size_t kConnectDataBytes = 32;
 // long as a small call's round trip there.
 constexpr uint64_t kPostAsideBytes = 64 << 10;
 
+// SetSharedDomainsForTesting.
+std::atomic<bool> shared_domains_for_testing{true};
+
 void PutU32(std::string* out, size_t at, uint32_t v) {
   for (int i = 0; i < 4; ++i) (*out)[at + i] = static_cast<char>(v >> (8 * i));
 }
@@ -33,6 +37,10 @@ uint32_t GetU32(std::string_view in, size_t at) {
 }
 
 }  // namespace
+
+void SetSharedDomainsForTesting(bool shared) {
+  shared_domains_for_testing.store(shared);
+}
 
 std::string EncodeConnectData(const ConnectData& data) {
   std::string out(kConnectDataBytes, '\0');
@@ -110,26 +118,29 @@ StatusOr<ConnectionResources> BuildResources(SharedEventChannel events, CmId id,
       config->max_write_bytes = std::min(config->max_write_bytes, limit);
     }
   }
-  RDMARPC_ASSIGN_OR_RETURN(r.pd, AllocatePd(device));
   const uint32_t cq_entries =
       config->send_queue_slots + kWindowWorkRequests + config->receives;
   RDMARPC_ASSIGN_OR_RETURN(r.group, Engine::Join(device, serves, cq_entries));
+  r.pd = shared_domains_for_testing.load() ? r.group.group()->pd() : nullptr;
+  if (r.pd == nullptr) {
+    RDMARPC_ASSIGN_OR_RETURN(r.own_pd, AllocatePd(device));
+    r.pd = r.own_pd.get();
+  }
   size_t receive_total = size_t{config->receives} * config->receive_bytes;
   size_t send_total =
       size_t{config->peer_receives} * config->peer_receive_bytes;
   r.receive_buffers = std::make_unique<uint8_t[]>(receive_total);
   r.send_buffers = std::make_unique<uint8_t[]>(send_total);
   RDMARPC_ASSIGN_OR_RETURN(
-      r.receive_mr, RegisterMemory(r.pd.get(), r.receive_buffers.get(),
-                                   receive_total, IBV_ACCESS_LOCAL_WRITE));
+      r.receive_mr, RegisterMemory(r.pd, r.receive_buffers.get(), receive_total,
+                                   IBV_ACCESS_LOCAL_WRITE));
   RDMARPC_ASSIGN_OR_RETURN(
-      r.send_mr,
-      RegisterMemory(r.pd.get(), r.send_buffers.get(), send_total, 0));
+      r.send_mr, RegisterMemory(r.pd, r.send_buffers.get(), send_total, 0));
   QpCaps caps;
   caps.max_send_wr = config->send_queue_slots + kWindowWorkRequests;
   caps.max_recv_wr = config->receives;
-  RDMARPC_ASSIGN_OR_RETURN(
-      r.qp, CreateRcQp(r.id.get(), r.pd.get(), r.group.cq(), caps));
+  RDMARPC_ASSIGN_OR_RETURN(r.qp,
+                           CreateRcQp(r.id.get(), r.pd, r.group.cq(), caps));
   return r;
 }
 

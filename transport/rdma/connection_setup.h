@@ -41,17 +41,22 @@ std::string EncodeConnectData(const ConnectData& data);
 // may pad private data with zeros).
 [[nodiscard]] StatusOr<ConnectData> DecodeConnectData(std::string_view bytes);
 
-// Allocates the protection domain, the control buffers (registered for
-// local access only) and the RC queue pair for `id`, which has a device
-// (address resolved, or a connect request), and joins the queue pair to a
-// completion group of the engine that will poll it (Engine::Join; a
-// server's connections, `serves`, and a client's join different groups).
+// Joins a completion group of the engine that will poll `id`'s queue
+// pair (Engine::Join; a server's connections, `serves`, and a client's
+// join different groups), takes the group's protection domain where it
+// has one (else allocates one), and makes the control buffers (registered
+// for local access only) and the RC queue pair for `id`, which has a
+// device (address resolved, or a connect request).
 // config.max_write_bytes is lowered to the port's max_msg_sz (and to
 // RDMARPC_RDMA_MAX_WRITE_BYTES when set); config.post_aside_bytes is set
 // on a software device (RDMARPC_RDMA_POST_ASIDE_BYTES overrides it on any
 // device, 0 turning it off).
 [[nodiscard]] StatusOr<ConnectionResources> BuildResources(
     SharedEventChannel events, CmId id, ConnectionConfig* config, bool serves);
+// Tests: connections built while this is false have a protection domain
+// of their own whatever their group offers (so that they may register
+// landing memory for remote write).
+void SetSharedDomainsForTesting(bool shared);
 
 // The client side: resolves `address`:`port`, builds the connection, sends
 // the connect request with `token` and waits for ESTABLISHED. The returned

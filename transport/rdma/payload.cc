@@ -466,7 +466,22 @@ Status RegisterLandingMemory(IncomingPayload* in, Connection* conn) {
       continue;
     }
     // No window for it: none on the device, a GPU's memory, or more
-    // landings than the connection has windows.
+    // landings than the connection has windows. Registered for remote
+    // write, which only a domain of the connection's own keeps to it.
+    if (conn->shares_domain()) {
+      const Status windows = conn->WindowsUnavailable();
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "landing #", k, " of ", in->landing.size(), " has no memory window (",
+          windows.ok()
+              ? absl::StrCat(
+                    "an RDMA connection grants at most ", kLandingWindows,
+                    " landings outside the landing arena at once; tensors "
+                    "landing in buffers given with SetResponseTensorBuffer "
+                    "take one each")
+              : windows.message(),
+          "), and the connection shares its protection domain with "
+          "others, so landing memory is not registered for remote write"));
+    }
     RDMARPC_ASSIGN_OR_RETURN(
         MemoryRegion mr, mover->RegisterLanding(conn->pd(), landing,
                                                 LandingAccess::kRemoteWrite));

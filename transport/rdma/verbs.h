@@ -51,7 +51,13 @@ using EventChannel = std::unique_ptr<rdma_event_channel,
 using SharedEventChannel = std::shared_ptr<rdma_event_channel>;
 // Destroys the id; a queue pair made on it must go first (CmQueuePair).
 using CmId = std::unique_ptr<rdma_cm_id, VerbsDeleter<rdma_destroy_id>>;
-using ProtectionDomain = std::unique_ptr<ibv_pd, VerbsDeleter<ibv_dealloc_pd>>;
+// Deallocates; AllocatePd and this count the domains alive.
+struct ProtectionDomainDeleter {
+  void operator()(ibv_pd* pd) const;
+};
+using ProtectionDomain = std::unique_ptr<ibv_pd, ProtectionDomainDeleter>;
+// Protection domains allocated (AllocatePd) and not deallocated (tests).
+int64_t LiveProtectionDomains();
 using CompletionChannel =
     std::unique_ptr<ibv_comp_channel, VerbsDeleter<ibv_destroy_comp_channel>>;
 using CompletionQueue = std::unique_ptr<ibv_cq, VerbsDeleter<ibv_destroy_cq>>;

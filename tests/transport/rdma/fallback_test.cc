@@ -16,8 +16,10 @@
 #include <string>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "e2e_fixture.h"
 #include "runtime/fault_injection.h"
+#include "transport/rdma/connection_setup.h"
 #include "transport/rdma/registration.h"
 #include "transport/rdma/verbs.h"
 
@@ -390,7 +392,12 @@ TEST_F(FallbackTest, WindowBindFailingOnAClosingConnectionResendsTheCall) {
 
 TEST_F(FallbackTest, ResponseLandedBeforeTheConnectionFailedIsTheAnswer) {
   // As on a device without memory windows (with them, the next tests), so
-  // that the landing is registered for this call alone.
+  // that the landing is registered for this call alone (for remote write,
+  // which only a protection domain of the connection's own allows).
+  rdmarpc::rdma::SetSharedDomainsForTesting(false);
+  absl::Cleanup shared_again = [] {
+    rdmarpc::rdma::SetSharedDomainsForTesting(true);
+  };
   fault::Arm("rdma.no_landing_windows");
   Start();
   auto channel = Channel({});

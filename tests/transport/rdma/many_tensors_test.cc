@@ -95,12 +95,22 @@ class ManyTensorsTest : public ::testing::Test {
   std::vector<uint8_t> bytes_;
 };
 
+// The connection's first call: its 500 landings on each side, more than a
+// connection has windows, wait for the arena's segment to be registered
+// there and then land through one window over their block, with no
+// registration of their own (none for remote write, which a protection
+// domain shared by several connections must not have).
 TEST_F(ManyTensorsTest, HundredsOfWrittenTensorsGoOverRdma) {
   rdmarpc::ClientContext ctx;
   rdmarpc::Status s = Call(500, 500, &ctx);
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(ctx.stats().transport, rdmarpc::TransportKind::kRdma)
       << ctx.stats().ToString();
+  const rdmarpc::ChannelTransportStats client = channel_->transport_stats();
+  EXPECT_EQ(client.rdma_landing_registrations, 0u) << client.ToString();
+  EXPECT_EQ(client.rdma_landing_window_waits, 1u);
+  EXPECT_EQ(server_->rdma_stats().landing_registrations, 0u);
+  EXPECT_EQ(server_->rdma_stats().landing_window_waits, 1u);
 }
 
 TEST_F(ManyTensorsTest, FiveThousandTensorsCompleteOverGrpcWithTheReason) {

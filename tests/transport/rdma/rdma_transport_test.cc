@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "e2e_fixture.h"
 #include "runtime/fault_injection.h"
 #include "runtime/spin.h"
@@ -375,15 +376,19 @@ struct EchoInFlight {
     stub->Echo(&ctx, req, &resp,
                [this](rdmarpc::Status s) { done.set_value(std::move(s)); });
   }
+  // The callback uses this object: a test that fails early still waits.
+  ~EchoInFlight() {
+    if (answer.valid()) answer.wait();
+  }
   // Waits for the answer: true when it came back byte-exact over RDMA
   // (into `landing`, when given).
   bool Answered(uint8_t* landing = nullptr) {
-    std::future<rdmarpc::Status> f = done.get_future();
-    if (f.wait_for(std::chrono::seconds(120)) != std::future_status::ready) {
+    if (answer.wait_for(std::chrono::seconds(120)) !=
+        std::future_status::ready) {
       ADD_FAILURE() << "no answer";
       return false;
     }
-    rdmarpc::Status s = f.get();
+    rdmarpc::Status s = answer.get();
     EXPECT_TRUE(s.ok()) << s;
     auto out = ctx.tensors().Get(resp.tensor());
     return s.ok() && out.ok() && out->size() == size &&
@@ -398,7 +403,16 @@ struct EchoInFlight {
   EchoRequest req;
   EchoResponse resp;
   std::promise<rdmarpc::Status> done;
+  std::future<rdmarpc::Status> answer = done.get_future();
 };
+
+// A channel whose progress watch never takes these tests' held calls for
+// a stuck path (a held registration is no backlog the server names).
+std::shared_ptr<rdmarpc::Channel> PatientRdmaChannel(int port) {
+  rdmarpc::ChannelOptions options;
+  options.rdma_peer_timeout = std::chrono::seconds(120);
+  return RdmaChannel(port, options);
+}
 
 // Waits up to a minute for `count()` to reach `want`.
 bool WaitForCount(const std::function<uint64_t()>& count, uint64_t want) {
@@ -440,7 +454,7 @@ TEST(RdmaTransport, AResponseWaitsForAWindowWhileTheOnlyOneIsHeld) {
   int port = 0;
   auto server = StartServer(&service, &port);
   ASSERT_NE(server, nullptr);
-  auto channel = RdmaChannel(port);
+  auto channel = PatientRdmaChannel(port);
   auto stub = E2E::NewStub(channel);
   constexpr size_t kSmall = 64 << 10;
   constexpr size_t kLarge = 2 << 20;
@@ -453,12 +467,16 @@ TEST(RdmaTransport, AResponseWaitsForAWindowWhileTheOnlyOneIsHeld) {
   rdmarpc::internal::fault::Arm("rdma.client.hold_registration");
   std::vector<uint8_t> landing(kLarge);
   EchoInFlight large(stub.get(), 0, kLarge, landing.data());
+  // Before `large` waits for its answer, if an assertion returns early.
+  absl::Cleanup disarm = [] {
+    rdmarpc::internal::fault::Disarm("rdma.client.hold_registration");
+  };
   ASSERT_TRUE(WaitUntilArmed("rdma.client.registration_held"));
   EchoInFlight small(stub.get(), 0, kSmall);
   EXPECT_TRUE(WaitForCount(
       [&] { return channel->transport_stats().rdma_landing_window_waits; }, 1));
   const uint64_t before = registrations();
-  rdmarpc::internal::fault::Disarm("rdma.client.hold_registration");
+  std::move(disarm).Invoke();
   EXPECT_TRUE(large.Answered(landing.data()));
   EXPECT_TRUE(small.Answered());
   // The caller's buffer's registration; the small response took none.
@@ -479,7 +497,7 @@ TEST(RdmaTransport, ARequestWaitsForAWindowWhileTheOnlyOneIsHeld) {
   int port = 0;
   auto server = StartServer(&service, &port);
   ASSERT_NE(server, nullptr);
-  auto stub = E2E::NewStub(RdmaChannel(port));
+  auto stub = E2E::NewStub(PatientRdmaChannel(port));
   // Over the inline threshold, under the 64 KiB from which writes are
   // posted aside; the large one over it, under the 1 MiB from which
   // landings are registered aside.
@@ -488,16 +506,23 @@ TEST(RdmaTransport, ARequestWaitsForAWindowWhileTheOnlyOneIsHeld) {
   ASSERT_NO_FATAL_FAILURE(CallUntilTheArenaIsRegistered(
       [&] { EXPECT_TRUE(EchoOnce(stub.get(), kSmall, 1)); },
       [&] { return server->rdma_stats().landing_registrations; }));
+  const uint64_t registrations = server->rdma_stats().landing_registrations;
   rdmarpc::internal::fault::Arm("rdma.post_aside.hold");
   EchoInFlight large(stub.get(), kLarge, 0, nullptr, 2);
+  // Before `large` waits for its answer, if an assertion returns early.
+  absl::Cleanup disarm = [] {
+    rdmarpc::internal::fault::Disarm("rdma.post_aside.hold");
+  };
   ASSERT_TRUE(WaitUntilArmed("rdma.post_aside.held"));
   EchoInFlight small(stub.get(), kSmall, 0, nullptr, 3);
   EXPECT_TRUE(WaitForCount(
       [&] { return server->rdma_stats().landing_window_waits; }, 1));
-  rdmarpc::internal::fault::Disarm("rdma.post_aside.hold");
+  std::move(disarm).Invoke();
   EXPECT_TRUE(large.Answered());
   EXPECT_TRUE(small.Answered());
   EXPECT_EQ(server->rdma_stats().landing_window_waits, 1u);
+  // Both landed through the arena's window alone.
+  EXPECT_EQ(server->rdma_stats().landing_registrations, registrations);
 }
 
 // A handler that blocks on the engine is counted, so it can be found.
@@ -1405,6 +1430,11 @@ TEST_F(ForgedPeerTest, AWindowGrantEndsWithItsCall) {
 // segment registers aside) and a window into the arena.
 TEST_F(ForgedPeerTest, BytesAPeerDidNotWriteReadAsZero) {
   namespace fault = rdmarpc::internal::fault;
+  // Remote-write registrations only in a domain of the connection's own.
+  rdmarpc::rdma::SetSharedDomainsForTesting(false);
+  absl::Cleanup shared_again = [] {
+    rdmarpc::rdma::SetSharedDomainsForTesting(true);
+  };
   WritingPeer peer;
   ASSERT_NO_FATAL_FAILURE(ConnectWritingPeer(&peer));
   // Whole writes and 64-byte ones take turns, each byte 0x5a; the handler
@@ -1445,6 +1475,36 @@ TEST_F(ForgedPeerTest, BytesAPeerDidNotWriteReadAsZero) {
   std::lock_guard<std::mutex> lock(service_.mu);
   EXPECT_EQ(service_.nonzero_bytes, expected);
   peer.conn->Close(absl::CancelledError("test done"));
+}
+
+// The connections of a completion group share a protection domain, so a
+// grant made on one (a window bound to its queue pair) must still be
+// useless on another: peer B writes through peer A's grant and fails,
+// closing only B's connection; A's own write then lands and is answered.
+TEST_F(ForgedPeerTest, AGrantIsUselessOnAnotherConnectionOfItsDomain) {
+  const int64_t domains_before = rdmarpc::rdma::LiveProtectionDomains();
+  WritingPeer a;
+  WritingPeer b;
+  ASSERT_NO_FATAL_FAILURE(ConnectWritingPeer(&a));
+  ASSERT_NO_FATAL_FAILURE(ConnectWritingPeer(&b));
+  // One domain per side for two connections each (the groups' domains,
+  // new unless other connections of them are still open), where each
+  // connection had its own before.
+  EXPECT_LE(rdmarpc::rdma::LiveProtectionDomains() - domains_before, 2);
+  EXPECT_TRUE(a.conn->shares_domain());
+  EXPECT_EQ(a.conn->pd(), b.conn->pd());
+  auto grant = RequestWrittenEcho(*a.conn, *a.handler, 1, /*fail_code=*/1);
+  ASSERT_TRUE(grant.ok()) << grant.status();
+  EXPECT_FALSE(WriteIntoGrant(*b.conn, b.mr, b.bytes.data(), *grant, 0,
+                              grant->grant_id())
+                   .ok());
+  EXPECT_TRUE(b.handler->WaitClosed());
+  ASSERT_TRUE(WriteIntoGrant(*a.conn, a.mr, a.bytes.data(), *grant, 0,
+                             grant->grant_id())
+                  .ok());
+  EXPECT_EQ(a.handler->Next().first, rdmarpc::rdma::FrameType::kResponse);
+  EXPECT_EQ(service_.echo_calls.load(), 1);
+  a.conn->Close(absl::CancelledError("test done"));
 }
 
 TEST_F(ForgedPeerTest, UnsignaledFramesCompleteOnceFlushed) {
