@@ -540,6 +540,10 @@ Status ClientEndpoint::OnResponse(const FrameView& frame, Outcomes* outcomes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "response for call ", head.call_id(), " before its request arrived"));
   }
+  // Decided (cancelled, say) while its request's bytes still leave: the
+  // server heard the cancel and forgot the call, so a grant would break
+  // the protocol. The call finishes once the writes have.
+  if (r.deferred.has_value()) return absl::OkStatus();
   ClientContext* ctx = r.call.ctx;
   const uint64_t call_id = head.call_id();
   Status received = ReceivePayload(

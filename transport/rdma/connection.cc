@@ -773,21 +773,6 @@ bool Connection::WindowGrant::End(std::function<void(Status)> done) {
   return conn->EndWindow(*this, std::move(done));
 }
 
-uint32_t Connection::WindowsNeededLocked(const WindowNeed& need) {
-  if (need.in_arena == 0) return need.outside;
-  LandingArena* arena = LandingArena::Get();
-  const int segment =
-      arena == nullptr ? -1 : arena->SegmentOf(need.arena_block);
-  if (segment >= 0 && arena_mrs_[segment] != nullptr) return need.outside + 1;
-  const bool registering = segment >= 0 && StartSegmentLocked(segment);
-  const uint32_t count = need.outside + need.in_arena;
-  if (count > windows_.size() && registering &&
-      need.outside < windows_.size()) {
-    return kAfterSegment;
-  }
-  return count;
-}
-
 bool Connection::StartSegmentLocked(int segment) {
   if (!segment_unavailable_[segment].ok()) return false;
   const uint32_t bit = uint32_t{1} << segment;
@@ -810,7 +795,7 @@ void Connection::TakeWindowsLocked(uint32_t count, WindowGrants* windows) {
   }
 }
 
-bool Connection::ReserveWindows(const WindowNeed& need, WindowGrants* windows,
+bool Connection::ReserveWindows(uint32_t count, WindowGrants* windows,
                                 absl::FunctionRef<WindowsReady()> wait) {
   std::lock_guard<std::mutex> lock(mu_);
   if (closed_.load() || res_.qp.get() == nullptr ||
@@ -820,16 +805,13 @@ bool Connection::ReserveWindows(const WindowNeed& need, WindowGrants* windows,
   // Fault injection: a device without type-2 windows, so that landings
   // are registered for remote write per call.
   if (RDMARPC_FAULT("rdma.no_landing_windows")) return true;
-  const uint32_t count = WindowsNeededLocked(need);
   // More than the connection has: those landings get none.
-  if (count == 0 || (count != kAfterSegment && count > windows_.size())) {
-    return true;
-  }
+  if (count == 0 || count > windows_.size()) return true;
   if (window_waiters_.empty() && count <= free_windows_.size()) {
     TakeWindowsLocked(count, windows);
     return true;
   }
-  window_waiters_.push_back({need, wait()});
+  window_waiters_.push_back({count, wait()});
   ++counters_.landing_window_waits;
   return false;
 }
@@ -838,15 +820,10 @@ void Connection::ServeWindowWaitersLocked(ReadyWaiters* ready) {
   // A closing connection's waiters hear it from FinishClose.
   while (!window_waiters_.empty() && !closed_.load()) {
     WindowWaiter& waiter = window_waiters_.front();
-    uint32_t count = WindowsNeededLocked(waiter.need);
-    if (count == kAfterSegment) return;
-    // The segment could not be registered: more than the connection has,
-    // so none.
-    if (count > windows_.size()) count = 0;
-    if (count > free_windows_.size()) return;
+    if (waiter.count > free_windows_.size()) return;
     ReadyWaiter& r = ready->emplace_back();
     r.ready = std::move(waiter.ready);
-    TakeWindowsLocked(count, &r.windows);
+    TakeWindowsLocked(waiter.count, &r.windows);
     window_waiters_.pop_front();
   }
 }
@@ -997,25 +974,19 @@ void Connection::RegisterArenaSegment(int segment) {
       reserved ? RegisterMemory(res_.pd, memory.base, memory.size,
                                 IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND)
                : StatusOr<MemoryRegion>(absl::ResourceExhaustedError(""));
-  ReadyWaiters waiters;  // grants that waited for the segment
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    segments_registering_ &= ~(uint32_t{1} << segment);
-    if (closed_.load() || !mr.ok()) {
-      if (mr.ok()) mr->reset();  // here, on the registration thread
-      if (reserved) ReleaseArenaPin(memory.size);
-      // A device's refusal stands: that segment's blocks are registered
-      // per call on this connection from now on, saying why.
-      if (reserved && !mr.ok()) segment_unavailable_[segment] = mr.status();
-      if (!fits.ok()) segment_unavailable_[segment] = fits;
-    } else {
-      arena_mrs_[segment] = *std::move(mr);
-      arena_pinned_ += memory.size;
-    }
-    if (!window_waiters_.empty()) ServeWindowWaitersLocked(&waiters);
+  std::lock_guard<std::mutex> lock(mu_);
+  segments_registering_ &= ~(uint32_t{1} << segment);
+  if (closed_.load() || !mr.ok()) {
+    if (mr.ok()) mr->reset();  // here, on the registration thread
+    if (reserved) ReleaseArenaPin(memory.size);
+    // A device's refusal stands: that segment's blocks are registered per
+    // call on this connection from now on, saying why.
+    if (reserved && !mr.ok()) segment_unavailable_[segment] = mr.status();
+    if (!fits.ok()) segment_unavailable_[segment] = fits;
+    return;
   }
-  for (ReadyWaiter& w : waiters)
-    w.ready(absl::OkStatus(), std::move(w.windows));
+  arena_mrs_[segment] = *std::move(mr);
+  arena_pinned_ += memory.size;
 }
 
 Status Connection::PostWindowOpLocked(ibv_send_wr& wr, int window,

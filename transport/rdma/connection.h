@@ -296,32 +296,24 @@ class Connection : public std::enable_shared_from_this<Connection>,
     MemoryRegion mr_;  // null over the arena
   };
   using WindowGrants = absl::InlinedVector<WindowGrant, 1>;
-  // What one grant's landings need windows for: `in_arena` of them in the
-  // landing arena's block at `arena_block` (one window over the block
-  // once its segment is registered here, else one each), and `outside`
-  // others registered for the grant (one each).
-  struct WindowNeed {
-    const void* arena_block = nullptr;
-    uint32_t in_arena = 0;
-    uint32_t outside = 0;
-  };
   // Runs once with the windows a waiting grant asked for, or with the
   // error that closed the connection (and none).
   using WindowsReady = std::function<void(Status, WindowGrants)>;
-  // Reserves the windows for one grant's landings, all at once (a grant
-  // that took some and waited for the rest could wait on another doing
-  // the same). True when they are in `*windows` now, reserved and not
-  // bound (WindowGrant::Bind, BindArenaWindow); none where none can be had
-  // (no windows on the device, more needed than a connection has, the
-  // connection closed): those landings are registered for remote write.
+  // Reserves `count` windows for one grant's landings, all at once (a
+  // grant that took some and waited for the rest could wait on another
+  // doing the same). True when they are in `*windows` now, reserved and
+  // not bound (WindowGrant::Bind, BindArenaWindow); none where none can be
+  // had (no windows on the device, more needed than a connection has, the
+  // connection closed): those landings are then registered for remote
+  // write where the connection has a domain of its own, and fail their
+  // call where it shares one (shares_domain).
   // False when fewer are free or an earlier grant waits: `wait` is called
   // under the connection's lock (it must only make the continuation), and
   // what it returns runs once the windows are free, first come first
   // served, on the thread that freed the last one (the poller, or the
   // registration thread) with no lock held, or from FinishClose with the
   // close's error.
-  [[nodiscard]] bool ReserveWindows(const WindowNeed& need,
-                                    WindowGrants* windows,
+  [[nodiscard]] bool ReserveWindows(uint32_t count, WindowGrants* windows,
                                     absl::FunctionRef<WindowsReady()> wait);
   // Binds the reserved window `grant` over `block` (a block of the landing
   // arena) for remote write; the bind is posted now, so it comes before
@@ -330,7 +322,7 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // grant in a segment starts registering it aside; or not at all, with a
   // locked-memory limit too low for the arena), or the post failed (the
   // connection closes): `grant` stays reserved, and the caller grants the
-  // block's landings another way.
+  // block another way (a registration of its own, under that window).
   [[nodiscard]] Status BindArenaWindow(WindowGrant& grant, TensorBuffer block);
   // Tests: connections made after this have `windows` landing windows
   // (0: kLandingWindows).
@@ -451,13 +443,6 @@ class Connection : public std::enable_shared_from_this<Connection>,
   Status PostWindowOpLocked(ibv_send_wr& wr, int window,
                             std::function<void(Status)> done,
                             TensorBuffer&& block = {}, MemoryRegion&& mr = {});
-  // Windows `need` takes now (the arena's segment may have been
-  // registered since it waited): one over the arena's block once its
-  // segment is registered here, else one per landing in it, starting that
-  // registration if nobody has. kAfterSegment where that is more than the
-  // connection has but one for the block would do: wait for the segment.
-  static constexpr uint32_t kAfterSegment = ~uint32_t{0};
-  uint32_t WindowsNeededLocked(const WindowNeed& need);
   // Starts registering arena segment `segment` here (aside) unless it is
   // already; false when it cannot be (see segment_unavailable_).
   bool StartSegmentLocked(int segment);
@@ -553,7 +538,7 @@ class Connection : public std::enable_shared_from_this<Connection>,
   std::vector<uint32_t> free_windows_;
   // Grants waiting for windows (ReserveWindows), oldest first.
   struct WindowWaiter {
-    WindowNeed need;
+    uint32_t count;
     WindowsReady ready;
   };
   std::deque<WindowWaiter> window_waiters_;

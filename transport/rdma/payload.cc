@@ -328,33 +328,45 @@ Status ReceivePayload(const google::protobuf::RepeatedPtrField<Part>& parts,
       }
     }
   }
-  // Landings in host memory share one block of the landing arena, granted
-  // through a memory window (GrantThroughWindow, RegisterLandingMemory).
-  auto lands_in_arena = [&](size_t i) {
+  // Landings in host memory share one block (of the landing arena where
+  // it has room), granted through one memory window (GrantThroughWindow,
+  // RegisterLandingMemory).
+  auto lands_in_block = [&](size_t i) {
     return in.parts[i].out_of_band() &&
            (i == 0 || (devices[i - 1].is_host() &&
                        (i - 1 >= supplied.size() || supplied[i - 1].empty())));
   };
-  size_t arena_bytes = 0;
+  size_t block_bytes = 0;
   for (size_t i = 0; i < in.parts.size(); ++i) {
     if (!in.parts[i].out_of_band()) continue;
-    if (lands_in_arena(i)) {
-      arena_bytes += LandingArena::Rounded(in.parts[i].size());
+    if (lands_in_block(i)) {
+      block_bytes += LandingArena::Rounded(in.parts[i].size());
     }
   }
   LandingArena* arena = LandingArena::Get();
-  if (arena != nullptr && arena_bytes > 0) {
-    if (auto block = arena->Allocate(arena_bytes)) {
-      in.arena_block = *std::move(block);
+  if (block_bytes > 0) {
+    std::optional<TensorBuffer> block;
+    if (arena != nullptr) block = arena->Allocate(block_bytes);
+    if (block.has_value()) {
+      in.landing_block = *std::move(block);
+    } else {
+      // The arena is off or full: the landings share a block of the
+      // call's own all the same, granted through one window over one
+      // registration (not one each: a connection has 32 windows).
+      TensorBuffer unused;
+      RDMARPC_ASSIGN_OR_RETURN(
+          in.landing_block, ChooseMover(Device::Host(), gpu)
+                                .mover->AllocateLanding(
+                                    Device::Host(), block_bytes, {}, &unused));
     }
   }
-  size_t arena_offset = 0;
+  size_t block_offset = 0;
   for (size_t i = 0; i < in.parts.size(); ++i) {
     const Part& p = in.parts[i];
     if (!p.out_of_band()) continue;
-    if (!in.arena_block.empty() && lands_in_arena(i)) {
-      in.landing.push_back(in.arena_block.Slice(arena_offset, p.size()));
-      arena_offset += LandingArena::Rounded(p.size());
+    if (!in.landing_block.empty() && lands_in_block(i)) {
+      in.landing.push_back(in.landing_block.Slice(block_offset, p.size()));
+      block_offset += LandingArena::Rounded(p.size());
       in.landing_part.push_back(i);
       in.landing_movers.push_back(ChooseMover(Device::Host(), gpu).mover);
       in.staged_to.emplace_back();
@@ -403,47 +415,78 @@ bool InBlock(const TensorBuffer& block, const TensorBuffer& part) {
   return !block.empty() && at >= begin && at < begin + block.size();
 }
 
+bool InArena(const TensorBuffer& block) {
+  LandingArena* arena = LandingArena::Get();
+  return arena != nullptr && arena->SegmentOf(block.data()) >= 0;
+}
+
 }  // namespace
 
 bool ReserveLandingWindows(IncomingPayload* in, Connection* conn,
                            absl::FunctionRef<Connection::WindowsReady()> wait) {
-  Connection::WindowNeed need;
+  // One for the block, one for each other landing that takes one.
+  uint32_t count = 0;
+  bool in_block = false;
   for (size_t k = 0; k < in->landing.size(); ++k) {
-    if (InBlock(in->arena_block, in->landing[k])) {
-      ++need.in_arena;
+    if (InBlock(in->landing_block, in->landing[k])) {
+      in_block = true;
     } else if (in->landing_movers[k]->LandsThroughWindows()) {
-      ++need.outside;
+      ++count;
     }
   }
-  if (need.in_arena == 0 && need.outside == 0) return true;
-  if (need.in_arena > 0) need.arena_block = in->arena_block.data();
-  return conn->ReserveWindows(need, &in->windows, wait);
+  if (in_block) ++count;
+  if (count == 0) return true;
+  return conn->ReserveWindows(count, &in->windows, wait);
 }
 
 bool GrantThroughWindow(IncomingPayload* in, Connection* conn) {
-  if (in->arena_block.empty() || in->windows.empty() || in->windows.front()) {
+  if (in->landing_block.empty() || in->windows.empty() || in->windows.front() ||
+      !InArena(in->landing_block)) {
     return false;
   }
   for (const TensorBuffer& landing : in->landing) {
-    if (!InBlock(in->arena_block, landing)) return false;
+    if (!InBlock(in->landing_block, landing)) return false;
   }
-  return conn->BindArenaWindow(in->windows.front(), in->arena_block).ok();
+  return conn->BindArenaWindow(in->windows.front(), in->landing_block).ok();
 }
 
+namespace {
+
+// Binds `window` over `block` (the call's landing block): through the
+// arena's registration on `conn` where it has one, else through one made
+// for this grant. Counts that registration in in->registrations.
+Status BindBlockWindow(IncomingPayload* in, Connection* conn,
+                       Connection::WindowGrant& window) {
+  if (window) return absl::OkStatus();  // GrantThroughWindow bound it
+  const TensorBuffer& block = in->landing_block;
+  if (InArena(block) && conn->BindArenaWindow(window, block).ok()) {
+    return absl::OkStatus();
+  }
+  RDMARPC_ASSIGN_OR_RETURN(
+      MemoryRegion mr, RegisterLanding(conn->pd(), block.data(), block.size(),
+                                       LandingAccess::kWindow));
+  ++in->registrations;
+  return window.Bind(block, std::move(mr));
+}
+
+}  // namespace
+
 Status RegisterLandingMemory(IncomingPayload* in, Connection* conn) {
-  // The reserved windows are bound in order, the arena block's first
-  // (GrantThroughWindow may have bound it already). Without one over the
-  // block (its segment not registered here yet), its landings take one
-  // each like any other.
-  const bool arena_windowed =
-      !in->arena_block.empty() && !in->windows.empty() &&
-      (in->windows.front() ||
-       conn->BindArenaWindow(in->windows.front(), in->arena_block).ok());
-  size_t next_window = arena_windowed ? 1 : 0;
+  // The reserved windows are bound in order, the landing block's first.
+  const bool block_windowed =
+      !in->landing_block.empty() && !in->windows.empty() &&
+      std::any_of(in->landing.begin(), in->landing.end(),
+                  [&](const TensorBuffer& landing) {
+                    return InBlock(in->landing_block, landing);
+                  });
+  if (block_windowed) {
+    RDMARPC_RETURN_IF_ERROR(BindBlockWindow(in, conn, in->windows.front()));
+  }
+  size_t next_window = block_windowed ? 1 : 0;
   for (size_t k = 0; k < in->landing.size(); ++k) {
     const TensorBuffer& landing = in->landing[k];
     const PayloadMover* mover = in->landing_movers[k];
-    if (arena_windowed && InBlock(in->arena_block, landing)) {
+    if (block_windowed && InBlock(in->landing_block, landing)) {
       in->landing_mrs.emplace_back();
       in->landing_rkeys.push_back(in->windows.front().rkey());
       continue;
@@ -475,9 +518,9 @@ Status RegisterLandingMemory(IncomingPayload* in, Connection* conn) {
           windows.ok()
               ? absl::StrCat(
                     "an RDMA connection grants at most ", kLandingWindows,
-                    " landings outside the landing arena at once; tensors "
-                    "landing in buffers given with SetResponseTensorBuffer "
-                    "take one each")
+                    " landings at once besides a call's shared landing "
+                    "block, and each buffer given with "
+                    "SetResponseTensorBuffer takes one")
               : windows.message(),
           "), and the connection shares its protection domain with "
           "others, so landing memory is not registered for remote write"));
@@ -489,9 +532,6 @@ Status RegisterLandingMemory(IncomingPayload* in, Connection* conn) {
     in->landing_rkeys.push_back(mr->rkey);
     in->landing_mrs.push_back(std::move(mr));
   }
-  // Reserved for the arena's segment while it was not registered here,
-  // and not needed since: given back.
-  in->windows.erase(in->windows.begin() + next_window, in->windows.end());
   return absl::OkStatus();
 }
 

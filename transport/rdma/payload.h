@@ -124,10 +124,11 @@ struct IncomingPayload {
   // window grants it; and the key the grant names.
   std::vector<MemoryRegion> landing_mrs;
   absl::InlinedVector<uint32_t, 2> landing_rkeys;
-  // The landing-arena block that the call's host landings share.
-  TensorBuffer arena_block;
+  // The block the call's host landings share: of the landing arena, or
+  // of the call's own when the arena is off or full.
+  TensorBuffer landing_block;
   // The windows that grant landings, reserved (ReserveLandingWindows)
-  // and then bound (RegisterLandingMemory): one over the arena block, one
+  // and then bound (RegisterLandingMemory): one over the landing block, one
   // over each other landing whose memory is registered for this grant
   // (the window owns that registration). The endpoint ends them
   // (EndLandingWindows) before FinishPayload reads the bytes.
@@ -150,7 +151,9 @@ struct IncomingPayload {
 // sizes against `max_tensor_bytes` before allocating, and allocates landing
 // memory for the out-of-band parts: supplied[k] for tensor k when given, else
 // memory where `placement` puts the tensor (per field when the message came in
-// the frame and `prototype` is given). For a GPU, in a direct mode the landing
+// the frame and `prototype` is given): host landings share one block
+// (in.landing_block), of the landing arena or, when that is off or full,
+// of the call's own. For a GPU, in a direct mode the landing
 // memory is the GPU's; in staging it is a pinned host buffer that FinishPayload
 // copies to the GPU. RESOURCE_EXHAUSTED (budget, memory) and INVALID_ARGUMENT
 // fail the call, not the connection. Fills `in`, which must be empty: in place,
@@ -164,8 +167,7 @@ struct IncomingPayload {
     IncomingPayload* in);
 
 // Reserves the windows that will grant in.landing (Connection::
-// ReserveWindows): one over the arena block (one per landing in it while
-// its segment is not registered on `conn`) and one per other landing
+// ReserveWindows): one over the landing block and one per other landing
 // whose mover lands through windows. True when they are in in.windows
 // now (or none can be had); false when the grant waits for them: `wait`
 // makes the continuation that gets them.
@@ -174,19 +176,22 @@ struct IncomingPayload {
     absl::FunctionRef<Connection::WindowsReady()> wait);
 
 // Grants in.landing remote write for the grant's lifetime through the
-// windows in.windows holds (ReserveLandingWindows): the arena block
-// through the first (unless GrantThroughWindow bound it already), each
-// other landing through one over its own registration
-// (LandingAccess::kWindow); landings left without one registered for
-// remote write. Windows not needed go back. Landings of 1 MiB or more
+// windows in.windows holds (ReserveLandingWindows): the landing block
+// through the first (unless GrantThroughWindow bound it already), over
+// the arena's registration on `conn` where it has one, else over one made
+// for this grant; each other landing through one over its own
+// registration (LandingAccess::kWindow, no remote access of its own).
+// Landings left without a window are registered for remote write where
+// the connection has a protection domain of its own, and fail the grant
+// (RESOURCE_EXHAUSTED) where it shares one. Landings of 1 MiB or more
 // are registered aside (the caller runs this there).
 [[nodiscard]] Status RegisterLandingMemory(IncomingPayload* in,
                                            Connection* conn);
 
 // Grants the whole landing through the first reserved window when every
-// part lands in the arena's block and its segment is registered on
-// `conn`: true if so, and then RegisterLandingMemory has nothing left to
-// register, so the poller can grant a landing of any size without
+// part lands in the landing block, in the arena, and its segment is
+// registered on `conn`: true if so, and then RegisterLandingMemory has nothing
+// left to register, so the poller can grant a landing of any size without
 // pinning a page. False leaves `in` as it was.
 bool GrantThroughWindow(IncomingPayload* in, Connection* conn);
 

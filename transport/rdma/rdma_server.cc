@@ -157,6 +157,8 @@ void RdmaServerTransport::OnConnectRequest(const CmEvent& event) {
   // from Create on), before Add and before the listener sees the CM's
   // ESTABLISHED event.
   shared_->accepted.fetch_add(1);
+  const bool shares_domain = (*conn)->shares_domain();
+  if (shares_domain) shared_->accepted_in_shared_domains.fetch_add(1);
   {
     std::lock_guard<std::mutex> lock(shared_->mu);
     ++shared_->endpoints_open;
@@ -173,6 +175,7 @@ void RdmaServerTransport::OnConnectRequest(const CmEvent& event) {
   }
   if (rdma_accept(event.id, &param) != 0) {
     shared_->accepted.fetch_sub(1);
+    if (shares_domain) shared_->accepted_in_shared_domains.fetch_sub(1);
     (*conn)->Close(VerbsError("rdma_accept", errno));
   }
   Status added = Engine::Add(*conn);
@@ -229,6 +232,7 @@ RdmaServerStats RdmaServerTransport::stats() const {
   RdmaServerStats s;
   s.status = listener_->status();
   s.connections_accepted = shared_->accepted.load();
+  s.connections_in_shared_domains = shared_->accepted_in_shared_domains.load();
   s.connects_refused = shared_->refused.load();
   s.protocol_errors = shared_->protocol_errors.load();
   s.landing_windows = shared_->landing_windows.load();

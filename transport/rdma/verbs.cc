@@ -30,7 +30,6 @@ std::string LimitText(rlim_t limit) {
 int LastErrno(int fallback = EIO) { return errno != 0 ? errno : fallback; }
 
 std::atomic<uint64_t> failed_deregistrations{0};
-std::atomic<int64_t> live_protection_domains{0};
 
 }  // namespace
 
@@ -48,12 +47,12 @@ void MemoryRegionDeleter::operator()(ibv_mr* mr) const {
 
 void ProtectionDomainDeleter::operator()(ibv_pd* pd) const {
   if (pd == nullptr) return;
-  live_protection_domains.fetch_sub(1, std::memory_order_relaxed);
-  (void)ibv_dealloc_pd(pd);
-}
-
-int64_t LiveProtectionDomains() {
-  return live_protection_domains.load(std::memory_order_relaxed);
+  if (int rc = ibv_dealloc_pd(pd); rc != 0) {
+    std::fprintf(stderr,
+                 "rdmarpc: ibv_dealloc_pd failed: %s (errno %d); the "
+                 "protection domain and what is left in it leak\n",
+                 std::strerror(rc), rc);
+  }
 }
 
 uint64_t FailedDeregistrations() {
@@ -113,7 +112,6 @@ StatusOr<ProtectionDomain> AllocatePd(ibv_context* device) {
   errno = 0;
   ProtectionDomain pd(ibv_alloc_pd(device));
   if (pd == nullptr) return VerbsError("ibv_alloc_pd", LastErrno());
-  live_protection_domains.fetch_add(1, std::memory_order_relaxed);
   return pd;
 }
 

@@ -51,13 +51,12 @@ using EventChannel = std::unique_ptr<rdma_event_channel,
 using SharedEventChannel = std::shared_ptr<rdma_event_channel>;
 // Destroys the id; a queue pair made on it must go first (CmQueuePair).
 using CmId = std::unique_ptr<rdma_cm_id, VerbsDeleter<rdma_destroy_id>>;
-// Deallocates; AllocatePd and this count the domains alive.
+// Deallocates; a refusal (something of the domain left, a region say)
+// leaks it, reported on stderr.
 struct ProtectionDomainDeleter {
   void operator()(ibv_pd* pd) const;
 };
 using ProtectionDomain = std::unique_ptr<ibv_pd, ProtectionDomainDeleter>;
-// Protection domains allocated (AllocatePd) and not deallocated (tests).
-int64_t LiveProtectionDomains();
 using CompletionChannel =
     std::unique_ptr<ibv_comp_channel, VerbsDeleter<ibv_destroy_comp_channel>>;
 using CompletionQueue = std::unique_ptr<ibv_cq, VerbsDeleter<ibv_destroy_cq>>;

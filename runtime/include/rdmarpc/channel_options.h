@@ -174,13 +174,14 @@ struct ChannelTransportStats {
   uint64_t rdma_frames_unsignaled = 0;
   uint64_t rdma_flush_writes = 0;
   // Memory windows bound to grant response landings: one per response
-  // over its block of the landing arena, one more per landing registered
-  // for the call (a buffer given with SetResponseTensorBuffer, say, or
-  // each landing in the block while the connection registers the arena).
+  // over the block its host landings share (of the landing arena, or of
+  // its own when the arena is off or full), one more per other landing (a
+  // buffer given with SetResponseTensorBuffer, say).
   uint64_t rdma_landing_windows = 0;
-  // Response landings registered for their call alone (pinning their
-  // pages per call): outside the landing arena, or in a segment of it the
-  // connection has not registered yet.
+  // Registrations made for one response (pinning its pages per call): its
+  // block where that is not in an arena segment the connection has
+  // registered (one for all of its host landings), and each other
+  // landing.
   uint64_t rdma_landing_registrations = 0;
   // Responses whose grant waited for windows the connection's other
   // grants held (each connection has 32), rather than registering their

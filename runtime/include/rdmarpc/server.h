@@ -150,19 +150,24 @@ struct RdmaServerStats {
   // "listening on 198.18.0.1:41234 (rxe0)", or why there is no RDMA.
   std::string status;
   uint64_t connections_accepted = 0;
+  // Of those, the ones that share a protection domain with the other
+  // connections of their completion queue (where the device has type-2
+  // memory windows and the process no GPU; RDMARPC_RDMA_SHARED_DOMAINS=0
+  // gives each its own).
+  uint64_t connections_in_shared_domains = 0;
   // Connect requests without a valid one-time token from the handshake.
   uint64_t connects_refused = 0;
   // Connections closed because the peer broke the protocol.
   uint64_t protocol_errors = 0;
   // Memory windows bound to grant request landings: one per request over
-  // its block of the landing arena, one more per landing registered for
-  // the call (outside the arena, or each landing in the block while the
-  // connection registers the arena); none where the device has no type-2
-  // windows.
+  // the block its host landings share (of the landing arena, or of its
+  // own when the arena is off or full), one more per other landing (a GPU
+  // staging buffer); none where the device has no type-2 windows.
   uint64_t landing_windows = 0;
-  // Request landings registered for their call alone (pinning their pages
-  // per call): outside the landing arena, or in a segment of it this
-  // connection has not registered yet.
+  // Registrations made for one request (pinning its pages per call): its
+  // block where that is not in an arena segment this connection has
+  // registered (one for all of its host landings), and each other
+  // landing.
   uint64_t landing_registrations = 0;
   // Requests whose grant waited for windows the connection's other grants
   // held (each connection has 32), rather than registering their landings

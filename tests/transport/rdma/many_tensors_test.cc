@@ -14,6 +14,7 @@
 #include "many_tensors.rdmarpc.pb.h"
 #include "rdmarpc/channel.h"
 #include "rdmarpc/server.h"
+#include "transport/rdma/landing_arena.h"
 #include "transport/rdma/registration.h"
 #include "transport/rdma/verbs.h"
 
@@ -95,11 +96,14 @@ class ManyTensorsTest : public ::testing::Test {
   std::vector<uint8_t> bytes_;
 };
 
-// The connection's first call: its 500 landings on each side, more than a
-// connection has windows, wait for the arena's segment to be registered
-// there and then land through one window over their block, with no
-// registration of their own (none for remote write, which a protection
-// domain shared by several connections must not have).
+// The connection's first call: its 500 landings on each side, far more
+// than a connection has windows, share one block of the arena and one
+// window over it, and none is registered for remote write (which a
+// protection domain shared by several connections must not have). The
+// block (2 MB) is granted aside, queued behind the registration of the
+// arena's segment that the first look at it started on the new
+// connection, so the window covers the segment's registration and the
+// call registers nothing of its own.
 TEST_F(ManyTensorsTest, HundredsOfWrittenTensorsGoOverRdma) {
   rdmarpc::ClientContext ctx;
   rdmarpc::Status s = Call(500, 500, &ctx);
@@ -107,10 +111,33 @@ TEST_F(ManyTensorsTest, HundredsOfWrittenTensorsGoOverRdma) {
   EXPECT_EQ(ctx.stats().transport, rdmarpc::TransportKind::kRdma)
       << ctx.stats().ToString();
   const rdmarpc::ChannelTransportStats client = channel_->transport_stats();
-  EXPECT_EQ(client.rdma_landing_registrations, 0u) << client.ToString();
-  EXPECT_EQ(client.rdma_landing_window_waits, 1u);
+  EXPECT_EQ(client.rdma_landing_windows, 1u) << client.ToString();
+  EXPECT_EQ(client.rdma_landing_registrations, 0u);
+  EXPECT_EQ(server_->rdma_stats().landing_windows, 1u);
   EXPECT_EQ(server_->rdma_stats().landing_registrations, 0u);
-  EXPECT_EQ(server_->rdma_stats().landing_window_waits, 1u);
+}
+
+// With the landing arena full, a call's host landings share a block of
+// its own: 40 of them each way (more than a connection has windows) still
+// land over RDMA through one window over one registration a side, none
+// registered for remote write.
+TEST_F(ManyTensorsTest, ManyLandingsShareABlockOfTheirOwnWhenTheArenaIsFull) {
+  rdmarpc::rdma::LandingArena* arena = rdmarpc::rdma::LandingArena::Get();
+  ASSERT_NE(arena, nullptr);
+  std::vector<rdmarpc::TensorBuffer> held;
+  for (size_t size : {size_t{16} << 20, size_t{1} << 20, size_t{4096}}) {
+    while (auto block = arena->Allocate(size)) held.push_back(*block);
+  }
+  rdmarpc::ClientContext ctx;
+  rdmarpc::Status s = Call(40, 40, &ctx);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(ctx.stats().transport, rdmarpc::TransportKind::kRdma)
+      << ctx.stats().ToString();
+  const rdmarpc::ChannelTransportStats client = channel_->transport_stats();
+  EXPECT_EQ(client.rdma_landing_windows, 1u) << client.ToString();
+  EXPECT_EQ(client.rdma_landing_registrations, 1u);
+  EXPECT_EQ(server_->rdma_stats().landing_windows, 1u);
+  EXPECT_EQ(server_->rdma_stats().landing_registrations, 1u);
 }
 
 TEST_F(ManyTensorsTest, FiveThousandTensorsCompleteOverGrpcWithTheReason) {
@@ -202,15 +229,11 @@ TEST_F(ManyTensorsTest, EachLandingOfAResponseIsGrantedThroughAWindow) {
     }
     return channel_->transport_stats().rdma_landing_windows - before;
   };
-  // Every landing has a window from the first call on: 3, or 4 while the
-  // arena's segment is not registered on this connection (it registers
-  // it aside after its first landing there, and never where that would
-  // pass its pinning budget): its two parts then get a registration and a
-  // window each.
-  for (uint32_t seed = 1; seed <= 9; ++seed) {
-    const uint64_t windows = call(seed);
-    EXPECT_TRUE(windows == 3 || windows == 4) << windows;
-  }
+  // Every landing has a window from the first call on: one over the
+  // arena's block (over a registration of the block for this call while
+  // the connection has not registered that segment of the arena) and one
+  // over each of the caller's buffers.
+  for (uint32_t seed = 1; seed <= 9; ++seed) EXPECT_EQ(call(seed), 3u);
   stub_.reset();
   channel_.reset();
   // What the closed connections dropped aside deregisters on the
