@@ -924,6 +924,11 @@ Status Connection::WindowsUnavailable() const {
   return windows_unavailable_;
 }
 
+uint32_t Connection::landing_windows() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<uint32_t>(windows_.size());
+}
+
 void Connection::SetLandingWindowsForTesting(uint32_t windows) {
   landing_windows_for_testing.store(windows);
 }

@@ -210,6 +210,8 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // Why the connection has no windows to grant with (none on the device,
   // or it closed); OK while it has them.
   Status WindowsUnavailable() const;
+  // The windows the connection made (kLandingWindows, or none).
+  uint32_t landing_windows() const;
   ibv_cq* cq() const { return res_.group.cq(); }
   CompletionGroup* group() const { return res_.group.group(); }
   // Which of the group's completions are this connection's.

@@ -339,9 +339,13 @@ Status ReceivePayload(const google::protobuf::RepeatedPtrField<Part>& parts,
   size_t block_bytes = 0;
   for (size_t i = 0; i < in.parts.size(); ++i) {
     if (!in.parts[i].out_of_band()) continue;
-    if (lands_in_block(i)) {
-      block_bytes += LandingArena::Rounded(in.parts[i].size());
+    if (!lands_in_block(i)) continue;
+    const size_t rounded = LandingArena::Rounded(in.parts[i].size());
+    if (rounded < in.parts[i].size() || block_bytes + rounded < block_bytes) {
+      return absl::ResourceExhaustedError(
+          "the announced tensor sizes overflow the landing memory's size");
     }
+    block_bytes += rounded;
   }
   LandingArena* arena = LandingArena::Get();
   if (block_bytes > 0) {
@@ -459,8 +463,11 @@ Status BindBlockWindow(IncomingPayload* in, Connection* conn,
                        Connection::WindowGrant& window) {
   if (window) return absl::OkStatus();  // GrantThroughWindow bound it
   const TensorBuffer& block = in->landing_block;
-  if (InArena(block) && conn->BindArenaWindow(window, block).ok()) {
-    return absl::OkStatus();
+  if (InArena(block)) {
+    // Closing (or closed by a failed post): no registration is worth
+    // making then.
+    Status bound = conn->BindArenaWindow(window, block);
+    if (bound.ok() || conn->closed()) return bound;
   }
   RDMARPC_ASSIGN_OR_RETURN(
       MemoryRegion mr, RegisterLanding(conn->pd(), block.data(), block.size(),
@@ -514,14 +521,14 @@ Status RegisterLandingMemory(IncomingPayload* in, Connection* conn) {
     if (conn->shares_domain()) {
       const Status windows = conn->WindowsUnavailable();
       return absl::ResourceExhaustedError(absl::StrCat(
-          "landing #", k, " of ", in->landing.size(), " has no memory window (",
-          windows.ok()
-              ? absl::StrCat(
-                    "an RDMA connection grants at most ", kLandingWindows,
-                    " landings at once besides a call's shared landing "
-                    "block, and each buffer given with "
-                    "SetResponseTensorBuffer takes one")
-              : windows.message(),
+          "the call's landings need more memory windows than its RDMA "
+          "connection can give (",
+          windows.ok() ? absl::StrCat(conn->landing_windows(),
+                                      " at once: one for the call's host "
+                                      "tensors, one for each other landing, "
+                                      "such as a buffer given with "
+                                      "SetResponseTensorBuffer")
+                       : windows.message(),
           "), and the connection shares its protection domain with "
           "others, so landing memory is not registered for remote write"));
     }

@@ -123,10 +123,17 @@ TEST_F(ManyTensorsTest, HundredsOfWrittenTensorsGoOverRdma) {
 // registered for remote write.
 TEST_F(ManyTensorsTest, ManyLandingsShareABlockOfTheirOwnWhenTheArenaIsFull) {
   rdmarpc::rdma::LandingArena* arena = rdmarpc::rdma::LandingArena::Get();
-  ASSERT_NE(arena, nullptr);
+  // With the arena off every call's block is of its own; held full here.
   std::vector<rdmarpc::TensorBuffer> held;
-  for (size_t size : {size_t{16} << 20, size_t{1} << 20, size_t{4096}}) {
-    while (auto block = arena->Allocate(size)) held.push_back(*block);
+  if (arena != nullptr) {
+    // Blocks of earlier calls go back from the registration thread: once
+    // a task queued after them ran, nothing comes back during the call.
+    std::promise<void> drained;
+    rdmarpc::rdma::RunAside([&] { drained.set_value(); });
+    drained.get_future().wait();
+    for (size_t size : {size_t{16} << 20, size_t{1} << 20, size_t{4096}}) {
+      while (auto block = arena->Allocate(size)) held.push_back(*block);
+    }
   }
   rdmarpc::ClientContext ctx;
   rdmarpc::Status s = Call(40, 40, &ctx);
