@@ -67,6 +67,7 @@ std::string ChannelTransportStats::ToString() const {
                   " (registrations: ", rdma_landing_registrations,
                   ", waits: ", rdma_landing_window_waits, ")",
                   ", credit frames: ", rdma_credit_frames_sent,
+                  " (credits granted: ", rdma_credits_granted, ")",
                   ", waits for credit: ", rdma_waits_for_credit,
                   ", watcher wake-ups: ", rdma_watch_wakeups,
                   ", found by waiting callers: ", rdma_caller_polls,

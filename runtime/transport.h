@@ -94,6 +94,8 @@ struct FastPathCounters {
   // writes: ConnectionConfig::post_aside_bytes).
   uint64_t writes_posted_aside = 0;
   uint64_t credit_frames_sent = 0;
+  // Credits granted to the peer beyond its first receives.
+  uint64_t credits_granted = 0;
   // Frames posted without a completion of their own (selective
   // signaling), and the zero-length writes posted to complete them when
   // nothing signaled followed.

@@ -325,6 +325,7 @@ ChannelTransportStats TransportRouter::stats() {
     stats.rdma_writes_posted = c.writes_posted;
     stats.rdma_writes_posted_aside = c.writes_posted_aside;
     stats.rdma_credit_frames_sent = c.credit_frames_sent;
+    stats.rdma_credits_granted = c.credits_granted;
     stats.rdma_waits_for_credit = c.waits_for_credit;
     stats.rdma_frames_unsignaled = c.frames_unsignaled;
     stats.rdma_flush_writes = c.flush_writes;

@@ -39,6 +39,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (answer.ok()) {
         if (no_rdma || answer->cm_port == 0 ||
             answer->token.size() != kTokenBytes || answer->receives < 4 ||
+            answer->first_receives < 4 ||
+            answer->first_receives > answer->receives ||
             answer->receives > 4096 || answer->receive_bytes < 1024 ||
             answer->inline_threshold > answer->receive_bytes) {
           std::abort();
@@ -65,6 +67,7 @@ std::vector<std::string> FuzzSeeds() {
   answer.set_cm_port(4791);
   answer.set_token(std::string(kTokenBytes, 't'));
   answer.set_receives(64);
+  answer.set_first_receives(16);
   answer.set_receive_bytes(32 << 10);
   answer.set_inline_threshold(24 << 10);
   answer.set_server_instance(5);
@@ -73,6 +76,7 @@ std::vector<std::string> FuzzSeeds() {
   ConnectData connect;
   connect.token = std::string(kTokenBytes, 'k');
   connect.receives = 64;
+  connect.first_receives = 16;
   connect.receive_bytes = 32 << 10;
   return {Tagged(kHelloRequest, request.SerializeAsString()),
           Tagged(kHelloAnswer, answer.SerializeAsString()),

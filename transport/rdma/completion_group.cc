@@ -45,6 +45,14 @@ bool SharesDomain(ibv_context* device) {
          CudaDeviceCount() == 0;
 }
 
+// Whether a group's members, sharing its domain, also share a receive
+// queue. RDMARPC_RDMA_SHARED_RECEIVES=0 gives each connection its own
+// receives.
+bool SharesReceives() {
+  const char* env = std::getenv("RDMARPC_RDMA_SHARED_RECEIVES");
+  return env == nullptr || std::string_view(env) != "0";
+}
+
 std::atomic<uint32_t> max_members_for_testing{0};
 
 }  // namespace
@@ -56,6 +64,8 @@ CompletionGroup::Membership& CompletionGroup::Membership::operator=(
     group_ = std::move(o.group_);
     key_ = o.key_;
     entries_ = o.entries_;
+    shared_receives_ = std::exchange(o.shared_receives_, false);
+    qp_num_ = o.qp_num_;
   }
   return *this;
 }
@@ -64,17 +74,29 @@ ibv_cq* CompletionGroup::Membership::cq() const {
   return group_ == nullptr ? nullptr : group_->cq();
 }
 
-void CompletionGroup::Membership::Install(Connection* conn) {
-  group_->Install(key_, conn);
+void CompletionGroup::Membership::Install(Connection* conn, uint32_t qp_num) {
+  if (shared_receives_) qp_num_ = qp_num;
+  group_->Install(key_, conn, shared_receives_ ? qp_num : 0);
 }
 
 void CompletionGroup::Membership::Uninstall() {
-  if (group_ != nullptr) group_->Uninstall(key_);
+  if (group_ != nullptr) group_->Uninstall(key_, qp_num_);
+}
+
+ibv_srq* CompletionGroup::Membership::TakeSharedReceives(uint32_t receive_bytes,
+                                                         uint32_t first) {
+  ibv_srq* srq = group_->TakeSharedReceives(key_, receive_bytes, first);
+  shared_receives_ = srq != nullptr;
+  return srq;
+}
+
+uint32_t CompletionGroup::Membership::AllotShared(uint32_t want) {
+  return group_->AllotShared(key_, want);
 }
 
 void CompletionGroup::Membership::Leave() {
   if (group_ == nullptr) return;
-  group_->Uninstall(key_);
+  group_->Uninstall(key_, qp_num_);
   group_->Leave(key_, entries_);
   group_.reset();
 }
@@ -137,8 +159,12 @@ CompletionGroup::CompletionGroup(Engine* engine, ibv_context* device,
       epoll_fd_(epoll_fd),
       engine_members_(members),
       slots_(new std::atomic<Connection*>[kMaxMembers]),
-      generations_(kMaxMembers, 0) {
-  for (uint32_t i = 0; i < kMaxMembers; ++i) slots_[i].store(nullptr);
+      generations_(kMaxMembers, 0),
+      slot_allotted_(new std::atomic<uint32_t>[kMaxMembers]) {
+  for (uint32_t i = 0; i < kMaxMembers; ++i) {
+    slots_[i].store(nullptr);
+    slot_allotted_[i].store(0);
+  }
 }
 
 CompletionGroup::~CompletionGroup() {
@@ -185,26 +211,159 @@ bool CompletionGroup::TryJoin(uint32_t entries, Membership* member) {
   return true;
 }
 
-void CompletionGroup::Install(uint32_t key, Connection* conn) {
+bool CompletionGroup::HoldForChange() {
+  if (HeldHere()) return false;
+  while (polling_.exchange(true, std::memory_order_acquire)) {
+    internal::CpuRelax();
+  }
+  return true;
+}
+
+void CompletionGroup::Install(uint32_t key, Connection* conn,
+                              uint32_t shared_qp_num) {
+  if (shared_qp_num != 0) {
+    // The map is the polling thread's: changed with the group held.
+    const bool took = HoldForChange();
+    shared_members_[shared_qp_num] = conn;
+    if (took) polling_.store(false, std::memory_order_release);
+  }
   slots_[key & kSlotMask].store(conn, std::memory_order_release);
 }
 
-void CompletionGroup::Uninstall(uint32_t key) {
+void CompletionGroup::Uninstall(uint32_t key, uint32_t shared_qp_num) {
   std::atomic<Connection*>& slot = slots_[key & kSlotMask];
   if (slot.load(std::memory_order_relaxed) == nullptr) return;
   // With the group held, no completion is being handed to it.
-  const bool held = HeldHere();
-  if (!held) {
-    while (polling_.exchange(true, std::memory_order_acquire)) {
-      internal::CpuRelax();
+  const bool took = HoldForChange();
+  slot.store(nullptr, std::memory_order_relaxed);
+  if (shared_qp_num != 0) shared_members_.erase(shared_qp_num);
+  if (took) polling_.store(false, std::memory_order_release);
+}
+
+ibv_srq* CompletionGroup::TakeSharedReceives(uint32_t key,
+                                             uint32_t receive_bytes,
+                                             uint32_t first) {
+  if (pd_ == nullptr || !SharesReceives()) return nullptr;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_.load(std::memory_order_relaxed)) return nullptr;
+  if (srq_ == nullptr) {
+    ibv_device_attr attr{};
+    if (ibv_query_device(device_, &attr) != 0 || attr.max_srq_wr <= 0) {
+      return nullptr;
+    }
+    const uint32_t capacity =
+        std::min<uint32_t>(kMaxSharedReceives, attr.max_srq_wr) /
+        kSharedChunkReceives * kSharedChunkReceives;
+    if (capacity == 0) return nullptr;
+    auto srq = CreateSrq(pd_.get(), capacity);
+    if (!srq.ok()) return nullptr;
+    srq_ = *std::move(srq);
+    srq_capacity_ = capacity;
+    srq_receive_bytes_ = receive_bytes;
+    shared_chunks_.reset(
+        new std::atomic<SharedChunk*>[capacity / kSharedChunkReceives]);
+    for (uint32_t i = 0; i < capacity / kSharedChunkReceives; ++i) {
+      shared_chunks_[i].store(nullptr);
     }
   }
-  slot.store(nullptr, std::memory_order_relaxed);
-  if (!held) polling_.store(false, std::memory_order_release);
+  if (receive_bytes != srq_receive_bytes_) return nullptr;
+  // The polling thread allots spare receives meanwhile: the pool grows
+  // until `first` of them are this member's.
+  uint32_t allotted = shared_allotted_.load(std::memory_order_acquire);
+  for (;;) {
+    const uint32_t total = shared_total_.load(std::memory_order_acquire);
+    if (total - allotted < first) {
+      if (!GrowSharedLocked().ok()) return nullptr;
+      allotted = shared_allotted_.load(std::memory_order_acquire);
+      continue;
+    }
+    if (shared_allotted_.compare_exchange_weak(allotted, allotted + first,
+                                               std::memory_order_acq_rel)) {
+      break;
+    }
+  }
+  slot_allotted_[key & kSlotMask].store(first, std::memory_order_relaxed);
+  return srq_.get();
+}
+
+Status CompletionGroup::GrowSharedLocked() {
+  const uint32_t total = shared_total_.load(std::memory_order_relaxed);
+  if (total + kSharedChunkReceives > srq_capacity_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the shared receive queue holds its ", srq_capacity_, " receives"));
+  }
+  auto chunk = std::make_unique<SharedChunk>();
+  const size_t bytes = size_t{kSharedChunkReceives} * srq_receive_bytes_;
+  chunk->bytes = std::make_unique<uint8_t[]>(bytes);
+  RDMARPC_ASSIGN_OR_RETURN(chunk->mr,
+                           RegisterMemory(pd_.get(), chunk->bytes.get(), bytes,
+                                          IBV_ACCESS_LOCAL_WRITE));
+  shared_chunks_[total / kSharedChunkReceives].store(chunk.get(),
+                                                     std::memory_order_release);
+  owned_chunks_.push_back(std::move(chunk));
+  for (uint32_t i = 0; i < kSharedChunkReceives; ++i) {
+    // A buffer that cannot be posted is not counted: nothing is allotted
+    // against it.
+    RDMARPC_RETURN_IF_ERROR(PostShared(total + i));
+    shared_total_.fetch_add(1, std::memory_order_acq_rel);
+  }
+  return absl::OkStatus();
+}
+
+uint8_t* CompletionGroup::SharedReceiveBuffer(uint32_t index) const {
+  SharedChunk* chunk = shared_chunks_[index / kSharedChunkReceives].load(
+      std::memory_order_acquire);
+  return chunk->bytes.get() +
+         size_t{index % kSharedChunkReceives} * srq_receive_bytes_;
+}
+
+Status CompletionGroup::PostShared(uint32_t index) {
+  SharedChunk* chunk = shared_chunks_[index / kSharedChunkReceives].load(
+      std::memory_order_acquire);
+  ibv_sge sge{};
+  sge.addr = reinterpret_cast<uintptr_t>(SharedReceiveBuffer(index));
+  sge.length = srq_receive_bytes_;
+  sge.lkey = chunk->mr->lkey;
+  ibv_recv_wr wr{};
+  wr.wr_id = kReceiveBit | index;
+  wr.sg_list = &sge;
+  wr.num_sge = 1;
+  ibv_recv_wr* bad = nullptr;
+  const int rc = ibv_post_srq_recv(srq_.get(), &wr, &bad);
+  if (rc != 0) return VerbsError("ibv_post_srq_recv", rc);
+  return absl::OkStatus();
+}
+
+Status CompletionGroup::RepostShared(uint32_t index) {
+  Status posted = PostShared(index);
+  if (!posted.ok()) {
+    shared_reposts_failed_.fetch_add(1, std::memory_order_relaxed);
+  }
+  return posted;
+}
+
+uint32_t CompletionGroup::AllotShared(uint32_t key, uint32_t want) {
+  uint32_t allotted = shared_allotted_.load(std::memory_order_acquire);
+  uint32_t granted = 0;
+  do {
+    const uint32_t total = shared_total_.load(std::memory_order_acquire);
+    granted = std::min(want, total - allotted);
+    if (granted == 0) return 0;
+  } while (!shared_allotted_.compare_exchange_weak(allotted, allotted + granted,
+                                                   std::memory_order_acq_rel));
+  slot_allotted_[key & kSlotMask].fetch_add(granted, std::memory_order_relaxed);
+  return granted;
 }
 
 void CompletionGroup::Leave(uint32_t key, uint32_t entries) {
   bool last = false;
+  // The member's queue pair is gone: its peer's credits no longer need
+  // receives of the pool.
+  if (const uint32_t allotted = slot_allotted_[key & kSlotMask].exchange(
+          0, std::memory_order_relaxed);
+      allotted > 0) {
+    shared_allotted_.fetch_sub(allotted, std::memory_order_acq_rel);
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     free_slots_.push_back(key & kSlotMask);
@@ -227,7 +386,10 @@ void CompletionGroup::Leave(uint32_t key, uint32_t entries) {
   (void)epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, channel_->fd, nullptr);
   cq_.reset();
   channel_.reset();
-  // Every member's queue pair and regions went before its membership.
+  // Every member's queue pair and regions went before its membership; the
+  // shared receives go before the domain.
+  srq_.reset();
+  owned_chunks_.clear();
   pd_.reset();
   released_.store(true, std::memory_order_release);
   if (!held) polling_.store(false, std::memory_order_release);
@@ -272,10 +434,20 @@ int CompletionGroup::PollHeld() {
 
 void CompletionGroup::Dispatch(const ibv_wc& wc) {
   const uint32_t key = static_cast<uint32_t>(wc.wr_id >> kKeyShift) & kKeyMask;
+  if (key == 0) return DispatchShared(wc);
   Connection* conn = slots_[key & kSlotMask].load(std::memory_order_acquire);
   // Null or another key: the connection that posted it is gone (its queue
   // pair's last completions, left behind by its close).
   if (conn != nullptr && conn->member_key() == key) conn->OnCompletion(wc);
+}
+
+void CompletionGroup::DispatchShared(const ibv_wc& wc) {
+  const auto index = static_cast<uint32_t>(wc.wr_id & kLocalMask);
+  auto it = shared_members_.find(wc.qp_num);
+  // The member re-posts the buffer itself (before it returns the credit);
+  // otherwise (it failed, closed, or has gone) it goes back here.
+  if (it != shared_members_.end() && it->second->OnCompletion(wc)) return;
+  (void)RepostShared(index);
 }
 
 void CompletionGroup::DrainHeld() {

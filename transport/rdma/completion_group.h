@@ -28,6 +28,14 @@
 // own queue pair, never through a registration for remote write, which
 // any queue pair of the domain could use.
 //
+// Where they share a domain, the members' receives come from one shared
+// receive queue too (TakeSharedReceives): a pool of receive buffers that
+// backs every member's first receives and grows by chunks as members join;
+// a member's peer is granted more credits from the pool's spare receives
+// when it runs low (AllotShared, flow_control.h), and its allotment goes
+// back to the pool when it leaves. So memory grows with the receives
+// peers use, not with connections times their most receives.
+//
 // Ownership: the engine and every member hold the group. Its queue, domain
 // and completion channel go with its last member (Membership's destructor),
 // which a connection holds beside its CM id and gives up before it: a
@@ -41,6 +49,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "rdmarpc/status.h"
@@ -57,6 +66,10 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   // member key (kSlotBits of slot, then its generation), the bits below
   // are the connection's own.
   static constexpr int kKeyShift = 40;
+  static constexpr uint64_t kReceiveBit = uint64_t{1} << 63;
+  // Receives of the shared queue carry key 0 (no member's: a generation
+  // is never 0) and the buffer's index; their completions reach the
+  // member by queue pair number.
   static constexpr int kSlotBits = 12;
   static constexpr int kGenerationBits = 63 - kKeyShift - kSlotBits;
   static constexpr uint64_t kLocalMask = (uint64_t{1} << kKeyShift) - 1;
@@ -71,6 +84,10 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   static constexpr int kSpareDivisor = 3;
   // Completions PollHeld takes at once.
   static constexpr int kPollBatch = 32;
+  // The shared receive pool grows by this many buffers, up to
+  // kMaxSharedReceives (or the device's limit).
+  static constexpr uint32_t kSharedChunkReceives = 64;
+  static constexpr uint32_t kMaxSharedReceives = 8192;
   // A group takes no member beyond this many from now on (0: as many as
   // its queue has room for); 1 gives every new connection a queue of its
   // own.
@@ -94,11 +111,26 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
     uint32_t key() const { return key_; }
     uint64_t key_bits() const { return uint64_t{key_} << kKeyShift; }
     // Completions with this member's key go to `conn` from now on (before
-    // its first receive is posted).
-    void Install(Connection* conn);
+    // its first receive is posted), and with shared receives those of its
+    // queue pair `qp_num`.
+    void Install(Connection* conn, uint32_t qp_num);
     // No completion reaches the installed connection after this returns
     // (it waits while another thread polls the group). Idempotent.
     void Uninstall();
+
+    // Backs `first` receives of `receive_bytes` each for this member's
+    // peer from the group's shared receive queue (made with the first
+    // such member), growing its pool as needed: the queue for the
+    // member's queue pair. Null where the members share no domain, shared
+    // receives are off (RDMARPC_RDMA_SHARED_RECEIVES=0), or the queue has
+    // buffers of another size or no room left: the member then posts
+    // receives of its own. Before Install.
+    ibv_srq* TakeSharedReceives(uint32_t receive_bytes, uint32_t first);
+    bool shared_receives() const { return shared_receives_; }
+    // Up to `want` more receives of the pool's spare for this member's
+    // peer; the number allotted (0 when the pool has none spare). Requires
+    // the group held.
+    uint32_t AllotShared(uint32_t want);
 
    private:
     friend class CompletionGroup;
@@ -106,6 +138,8 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
     std::shared_ptr<CompletionGroup> group_;
     uint32_t key_ = 0;
     uint32_t entries_ = 0;
+    bool shared_receives_ = false;
+    uint32_t qp_num_ = 0;  // with shared receives, once installed
   };
 
   // Makes the queue (and its non-blocking completion channel, watched by
@@ -136,6 +170,19 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   // The domain the members share; null where each has its own.
   ibv_pd* pd() const { return pd_.get(); }
 
+  // The shared receive pool (see TakeSharedReceives): the buffer with
+  // `index` (from a receive's work request id), and posting it again.
+  // RepostShared requires the group held.
+  uint8_t* SharedReceiveBuffer(uint32_t index) const;
+  [[nodiscard]] Status RepostShared(uint32_t index);
+  // Buffers in the pool, and those backing members' allotments.
+  uint32_t shared_receive_buffers() const {
+    return shared_total_.load(std::memory_order_acquire);
+  }
+  uint32_t shared_receives_allotted() const {
+    return shared_allotted_.load(std::memory_order_acquire);
+  }
+
   // Polling, one thread at a time. TryTake: false while another thread
   // holds the group, or once it is closed. The engine never waits for a
   // group: finding it held, it comes back on its next pass. (Uninstalling
@@ -165,9 +212,23 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
  private:
   CompletionGroup(Engine* engine, ibv_context* device, bool serves,
                   uint32_t capacity, int epoll_fd, std::atomic<int>* members);
-  void Install(uint32_t key, Connection* conn);
-  void Uninstall(uint32_t key);
+  // A chunk of the shared receive pool: kSharedChunkReceives buffers.
+  struct SharedChunk {
+    std::unique_ptr<uint8_t[]> bytes;
+    MemoryRegion mr;
+  };
+  void Install(uint32_t key, Connection* conn, uint32_t shared_qp_num);
+  void Uninstall(uint32_t key, uint32_t shared_qp_num);
   void Dispatch(const ibv_wc& wc);
+  void DispatchShared(const ibv_wc& wc);
+  // Takes polling_ unless this thread holds the group; true if it did.
+  bool HoldForChange();
+  ibv_srq* TakeSharedReceives(uint32_t key, uint32_t receive_bytes,
+                              uint32_t first);
+  uint32_t AllotShared(uint32_t key, uint32_t want);
+  // Adds a chunk to the pool and posts its receives. Requires mu_.
+  [[nodiscard]] Status GrowSharedLocked();
+  [[nodiscard]] Status PostShared(uint32_t index);
   void Leave(uint32_t key, uint32_t entries);
   // Whether this thread holds the group (TryTake).
   bool HeldHere() const;
@@ -200,6 +261,27 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   // The thread-local group the holder held before this one (restored by
   // GiveBack).
   const CompletionGroup* held_before_ = nullptr;
+
+  // Shared receives. The queue, its buffer size and the chunks' owners
+  // change under mu_ (until the last member leaves); chunk pointers are
+  // published to the polling thread through shared_chunks_.
+  SharedReceiveQueue srq_;
+  uint32_t srq_receive_bytes_ = 0;
+  uint32_t srq_capacity_ = 0;
+  std::vector<std::unique_ptr<SharedChunk>> owned_chunks_;
+  std::unique_ptr<std::atomic<SharedChunk*>[]> shared_chunks_;
+  // Buffers in the pool (grows under mu_), and the receives members'
+  // peers are allotted (never more than the pool's buffers); per slot,
+  // the member's share, given back when it leaves.
+  std::atomic<uint32_t> shared_total_{0};
+  std::atomic<uint32_t> shared_allotted_{0};
+  std::unique_ptr<std::atomic<uint32_t>[]> slot_allotted_;
+  // Queue pair number to member, for shared receives' completions. Read
+  // and changed only with the group held.
+  std::unordered_map<uint32_t, Connection*> shared_members_;
+  // Shared receives that could not be posted again (the pool is smaller
+  // by as many buffers as the allotments assume).
+  std::atomic<uint64_t> shared_reposts_failed_{0};
 };
 
 }  // namespace rdmarpc::rdma

@@ -26,9 +26,10 @@ namespace {
 
 // Work request ids carry the connection's member key (completion_group.h)
 // and, in CompletionGroup::kLocalMask: for a receive the buffer index (and
-// kReceiveBit, above the key), for a send a sequence number shifted over
+// kReceiveBit, above the key; a shared receive has key 0), for a send a
+// sequence number shifted over
 // the index of the slot it takes in Connection::posted_.
-constexpr uint64_t kReceiveBit = uint64_t{1} << 63;
+constexpr uint64_t kReceiveBit = CompletionGroup::kReceiveBit;
 constexpr int kPostedSlotBits = 16;
 constexpr uint64_t kPostedSlotMask = (uint64_t{1} << kPostedSlotBits) - 1;
 constexpr uint64_t kSequenceMask =
@@ -97,8 +98,10 @@ void ReleaseArenaPin(uint64_t bytes) { arena_pinned.fetch_sub(bytes); }
 
 CreditWindow::Options WindowOptions(const ConnectionConfig& c) {
   return {.peer_receives = c.peer_receives,
+          .peer_first_receives = c.peer_first_receives,
           .send_queue_slots = c.send_queue_slots,
           .own_receives = c.receives,
+          .own_first_receives = c.first_receives,
           .return_threshold = 0};
 }
 
@@ -159,9 +162,13 @@ StatusOr<std::shared_ptr<Connection>> Connection::Create(
   (void)conn->SetUpWindows();
   // Before the first receive: the group's poller may find its completion
   // at once, before Engine::Add.
-  conn->res_.group.Install(conn.get());
-  for (uint32_t i = 0; i < config.receives; ++i) {
-    RDMARPC_RETURN_IF_ERROR(conn->PostReceive(i));
+  conn->res_.group.Install(conn.get(), conn->res_.qp.get() == nullptr
+                                           ? 0
+                                           : conn->res_.qp.get()->qp_num);
+  if (conn->res_.srq == nullptr) {
+    for (uint32_t i = 0; i < config.receives; ++i) {
+      RDMARPC_RETURN_IF_ERROR(conn->PostReceive(i));
+    }
   }
   return conn;
 }
@@ -294,6 +301,8 @@ Status Connection::PostSendBufferLocked(size_t bytes,
   uint32_t credits = std::min<uint32_t>(window_.TakeReturnable(), 0xffff);
   dst[4] = static_cast<uint8_t>(credits);
   dst[5] = static_cast<uint8_t>(credits >> 8);
+  // Flags (bytes 6..7): the wire's only one fits the low byte.
+  dst[6] = window_.WantsCredits() ? kFlagWantsCredits : 0;
   ibv_sge sge{};
   sge.addr = reinterpret_cast<uintptr_t>(dst);
   sge.length = static_cast<uint32_t>(bytes);
@@ -601,11 +610,28 @@ bool Connection::PolledForAnotherCaller() {
 
 void Connection::GiveBack() { res_.group.group()->GiveBack(); }
 
-void Connection::OnCompletion(const ibv_wc& wc) {
+bool Connection::OnCompletion(const ibv_wc& wc) {
   const Connection* outer = polling_here;
   polling_here = this;
-  HandleCompletion(wc);
+  const bool reposted = HandleCompletion(wc);
   polling_here = outer;
+  return reposted;
+}
+
+Connection::Allotments Connection::allotments() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {window_.peer_allotment(), window_.own_allotment()};
+}
+
+void Connection::GrantCreditsLocked() {
+  const uint32_t wanted = window_.GrantWanted();
+  if (wanted == 0) return;
+  // Own receives: all of them are posted, so any grant is backed.
+  const uint32_t granted =
+      res_.srq == nullptr ? wanted : res_.group.AllotShared(wanted);
+  if (granted == 0) return;
+  window_.Grant(granted);
+  counters_.credits_granted += granted;
 }
 
 void Connection::Fail(const std::string& what) {
@@ -613,7 +639,7 @@ void Connection::Fail(const std::string& what) {
         "work-completion error");
 }
 
-void Connection::HandleCompletion(const ibv_wc& wc) {
+bool Connection::HandleCompletion(const ibv_wc& wc) {
   if (wc.status != IBV_WC_SUCCESS) {
     if (!closed_.load()) {
       Fail(absl::StrCat(ibv_wc_status_str(wc.status), " on a ",
@@ -635,7 +661,7 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
       }
       if (done) done(CloseReason());
     }
-    return;
+    return false;
   }
   if (wc.wr_id & kReceiveBit) {
     last_heard_.store(internal::CoarseSteadyNow().time_since_epoch().count(),
@@ -644,12 +670,15 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
         static_cast<uint32_t>(wc.wr_id & CompletionGroup::kLocalMask);
     Status handled;
     bool framed = false;
+    bool wants_credits = false;
     uint32_t credits = 0;
     if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
       handled = handler_->OnWriteLanded(ntohl(wc.imm_data));
     } else {
       const char* bytes = reinterpret_cast<const char*>(
-          res_.receive_buffers.get() + size_t{index} * config_.receive_bytes);
+          res_.srq != nullptr ? res_.group.group()->SharedReceiveBuffer(index)
+                              : res_.receive_buffers.get() +
+                                    size_t{index} * config_.receive_bytes);
       auto frame = DecodeFrame(std::string_view(bytes, wc.byte_len));
       if (!frame.ok()) {
         handled = frame.status();
@@ -662,6 +691,7 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
         // now) comes with the count.
         framed = true;
         credits = frame->credits;
+        wants_credits = frame->wants_credits;
         if (credits > config_.peer_receives) {
           handled = absl::InvalidArgumentError(absl::StrCat(
               "a frame returns ", credits, " receive credits; at most ",
@@ -672,16 +702,21 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
       }
     }
     Status s;
+    bool reposted = false;
     if (handled.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
-      if (closed_.load()) return;
+      if (closed_.load()) return false;
       if (framed) {
         ++counters_.frames_received;
         handled = window_.OnPeerReturned(credits);
       }
       if (handled.ok()) {
-        s = PostReceive(index);
+        // Posted again before its credit can go back to the peer.
+        s = res_.srq != nullptr ? res_.group.group()->RepostShared(index)
+                                : PostReceive(index);
+        reposted = s.ok();
         if (s.ok()) s = window_.OnReceiveReposted();
+        if (s.ok() && wants_credits) GrantCreditsLocked();
         if (s.ok()) s = PumpLocked();
       }
     }
@@ -691,10 +726,11 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
                 "RDMA connection closed: the peer broke the protocol: ",
                 handled.message())),
             "protocol error");
-      return;
+      return false;
     }
     if (!s.ok()) Close(s, "post error");
-    return;
+    // A shared buffer that could not be posted is the group's to count.
+    return reposted && res_.srq != nullptr;
   }
   std::function<void(Status)> done;
   Continuations sent;
@@ -705,7 +741,7 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     Posted* posted = FindPostedLocked(wc.wr_id);
-    if (posted == nullptr) return;
+    if (posted == nullptr) return false;
     if (posted->send_buffer >= 0) {
       free_send_buffers_.push_back(posted->send_buffer);
     }
@@ -728,6 +764,7 @@ void Connection::HandleCompletion(const ibv_wc& wc) {
   for (ReadyWaiter& w : waiters)
     w.ready(absl::OkStatus(), std::move(w.windows));
   if (!s.ok()) Close(s, "post error");
+  return false;
 }
 
 Connection::WindowGrant& Connection::WindowGrant::operator=(

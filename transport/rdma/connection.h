@@ -69,12 +69,26 @@ namespace rdmarpc::rdma {
 inline constexpr uint32_t kLandingWindows = 32;
 inline constexpr uint32_t kWindowWorkRequests = 2 * kLandingWindows;
 
+// The credits a side starts with (its first receives) where the peer may
+// back up to `receives`: more are granted when it runs low (flow_control.h).
+inline constexpr uint32_t kFirstReceives = 16;
+inline uint32_t FirstReceives(uint32_t receives) {
+  return receives < kFirstReceives ? receives : kFirstReceives;
+}
+
 // Sizes both sides agree on in the handshake.
 struct ConnectionConfig {
-  uint32_t receives = 64;             // control receives we post
+  // The most control receives we back for the peer (its credits), and
+  // how many it starts with (0: all of them); the rest are granted when
+  // it runs low.
+  uint32_t receives = 64;
+  uint32_t first_receives = 0;
   uint32_t receive_bytes = 32 << 10;  // size of each
   uint32_t send_queue_slots = 256;    // max_send_wr
-  uint32_t peer_receives = 64;        // what the peer posted for us
+  // The same of the peer's, for us: peer_receives also counts our send
+  // buffers.
+  uint32_t peer_receives = 64;
+  uint32_t peer_first_receives = 0;
   uint32_t peer_receive_bytes = 32 << 10;
   // Writes larger than this are split (the device's max_msg_sz, or less):
   // each piece's completion tells the progress watch that a large
@@ -112,6 +126,9 @@ struct ConnectionResources {
   // the id (the last member destroys the queue and the domain).
   CompletionGroup::Membership group;
   ibv_pd* pd = nullptr;  // own_pd's or the group's
+  // The group's shared receive queue where the connection's receives come
+  // from it (receive_buffers and receive_mr are then empty).
+  ibv_srq* srq = nullptr;
   MemoryRegion receive_mr;
   MemoryRegion send_mr;
   CmQueuePair qp;
@@ -207,6 +224,20 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // only through this connection's windows, never registered for remote
   // write.
   bool shares_domain() const { return res_.own_pd == nullptr; }
+  // Whether its receives come from its group's shared receive queue, and
+  // the buffers of that queue's pool (0 without).
+  bool shares_receives() const { return res_.srq != nullptr; }
+  uint32_t shared_receive_buffers() const {
+    return res_.srq == nullptr ? 0
+                               : res_.group.group()->shared_receive_buffers();
+  }
+  // Tests: the credits the peer has granted us so far (our allotment of
+  // its receives), and ours of our receives that it holds.
+  struct Allotments {
+    uint32_t ours = 0;
+    uint32_t peers = 0;
+  };
+  Allotments allotments();
   // Why the connection has no windows to grant with (none on the device,
   // or it closed); OK while it has them.
   Status WindowsUnavailable() const;
@@ -394,8 +425,9 @@ class Connection : public std::enable_shared_from_this<Connection>,
 
   friend class CompletionGroup;
   // One completion of this connection's, handed over by the thread that
-  // holds its group.
-  void OnCompletion(const ibv_wc& wc);
+  // holds its group. True when it was a shared receive whose buffer this
+  // connection posted again (otherwise the group does).
+  bool OnCompletion(const ibv_wc& wc);
   Status PostReceive(uint32_t index);
   // Posts what the window allows. Requires mu_; an error means the queue
   // pair is broken and the caller closes the connection.
@@ -476,7 +508,10 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // domain, until then).
   void DropWindowRegion(MemoryRegion mr);
   Status CloseReason() const;
-  void HandleCompletion(const ibv_wc& wc);
+  bool HandleCompletion(const ibv_wc& wc);
+  // The peer asked for more credits: grants what the receives backing
+  // them allow (its own, or the group's pool's spare). Requires mu_.
+  void GrantCreditsLocked();
   void Fail(const std::string& what);
 
   ConnectionResources res_;

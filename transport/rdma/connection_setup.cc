@@ -46,6 +46,8 @@ std::string EncodeConnectData(const ConnectData& data) {
   std::string out(kConnectDataBytes, '\0');
   PutU32(&out, 0, kConnectMagic);
   out[4] = static_cast<char>(kWireVersion);
+  out[6] = static_cast<char>(data.first_receives);
+  out[7] = static_cast<char>(data.first_receives >> 8);
   std::memcpy(out.data() + 8, data.token.data(),
               std::min(data.token.size(), kTokenBytes));
   PutU32(&out, 24, data.receives);
@@ -54,14 +56,20 @@ std::string EncodeConnectData(const ConnectData& data) {
 }
 
 Status CheckReceives(uint32_t receives, uint32_t receive_bytes,
-                     const char* whose) {
-  if (receives >= 4 && receives <= 4096 && receive_bytes >= 1024 &&
-      receive_bytes <= (1 << 24)) {
-    return absl::OkStatus();
+                     const char* whose, uint32_t first_receives) {
+  if (receives < 4 || receives > 4096 || receive_bytes < 1024 ||
+      receive_bytes > (1 << 24)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        whose, ": ", receives, " control receives of ", receive_bytes,
+        " bytes; want 4..4096 receives of 1024..16777216 bytes"));
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      whose, ": ", receives, " control receives of ", receive_bytes,
-      " bytes; want 4..4096 receives of 1024..16777216 bytes"));
+  if (first_receives != 0 &&
+      (first_receives < 4 || first_receives > receives)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(whose, ": ", first_receives, " first receives of ",
+                     receives, "; want 4..", receives));
+  }
+  return absl::OkStatus();
 }
 
 StatusOr<ConnectData> DecodeConnectData(std::string_view bytes) {
@@ -82,6 +90,8 @@ StatusOr<ConnectData> DecodeConnectData(std::string_view bytes) {
   data.token.assign(bytes.data() + 8, kTokenBytes);
   data.receives = GetU32(bytes, 24);
   data.receive_bytes = GetU32(bytes, 28);
+  data.first_receives = static_cast<uint8_t>(bytes[6]) |
+                        uint32_t{static_cast<uint8_t>(bytes[7])} << 8;
   return data;
 }
 
@@ -126,19 +136,30 @@ StatusOr<ConnectionResources> BuildResources(SharedEventChannel events, CmId id,
     RDMARPC_ASSIGN_OR_RETURN(r.own_pd, AllocatePd(device));
     r.pd = r.own_pd.get();
   }
-  size_t receive_total = size_t{config->receives} * config->receive_bytes;
+  if (r.own_pd == nullptr) {
+    // Only the first receives are backed at once; the peer's grants come
+    // from the pool's spare.
+    r.srq = r.group.TakeSharedReceives(config->receive_bytes,
+                                       config->first_receives == 0
+                                           ? config->receives
+                                           : config->first_receives);
+  }
+  if (r.srq == nullptr) {
+    size_t receive_total = size_t{config->receives} * config->receive_bytes;
+    r.receive_buffers = std::make_unique<uint8_t[]>(receive_total);
+    RDMARPC_ASSIGN_OR_RETURN(
+        r.receive_mr, RegisterMemory(r.pd, r.receive_buffers.get(),
+                                     receive_total, IBV_ACCESS_LOCAL_WRITE));
+  }
   size_t send_total =
       size_t{config->peer_receives} * config->peer_receive_bytes;
-  r.receive_buffers = std::make_unique<uint8_t[]>(receive_total);
   r.send_buffers = std::make_unique<uint8_t[]>(send_total);
-  RDMARPC_ASSIGN_OR_RETURN(
-      r.receive_mr, RegisterMemory(r.pd, r.receive_buffers.get(), receive_total,
-                                   IBV_ACCESS_LOCAL_WRITE));
   RDMARPC_ASSIGN_OR_RETURN(
       r.send_mr, RegisterMemory(r.pd, r.send_buffers.get(), send_total, 0));
   QpCaps caps;
   caps.max_send_wr = config->send_queue_slots + kWindowWorkRequests;
   caps.max_recv_wr = config->receives;
+  caps.srq = r.srq;
   RDMARPC_ASSIGN_OR_RETURN(r.qp,
                            CreateRcQp(r.id.get(), r.pd, r.group.cq(), caps));
   return r;
@@ -186,8 +207,10 @@ StatusOr<std::shared_ptr<Connection>> ConnectToServer(
   RDMARPC_ASSIGN_OR_RETURN(
       std::shared_ptr<Connection> conn,
       Connection::Create(std::move(resources), config, std::move(handler)));
-  std::string data =
-      EncodeConnectData({token, config.receives, config.receive_bytes});
+  std::string data = EncodeConnectData(
+      {token, config.receives,
+       config.first_receives == 0 ? config.receives : config.first_receives,
+       config.receive_bytes});
   rdma_conn_param param{};
   param.private_data = data.data();
   param.private_data_len = static_cast<uint8_t>(data.size());

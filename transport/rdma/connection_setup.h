@@ -23,20 +23,23 @@ namespace rdmarpc::rdma {
 inline constexpr size_t kTokenBytes = 16;
 
 // What the client's CM connect request carries (private data, 32 bytes
-// little-endian: magic "RRC1", version, 3 reserved bytes, token, receives,
-// receive bytes).
+// little-endian: magic "RRC1", version, a reserved byte, u16 first
+// receives, token, receives, receive bytes).
 struct ConnectData {
   std::string token;  // kTokenBytes
   uint32_t receives = 0;
+  uint32_t first_receives = 0;  // at most 65535
   uint32_t receive_bytes = 0;
 };
 std::string EncodeConnectData(const ConnectData& data);
 
 // The control receives either side accepts from the other (and lets a
-// server be configured with): 4..4096 receives of 1 KiB..16 MiB each.
+// server be configured with): 4..4096 receives of 1 KiB..16 MiB each, of
+// which 4..receives at first (0: not checked, for a side's own settings).
 // INVALID_ARGUMENT naming `whose` and the range otherwise.
 [[nodiscard]] Status CheckReceives(uint32_t receives, uint32_t receive_bytes,
-                                   const char* whose);
+                                   const char* whose,
+                                   uint32_t first_receives = 0);
 // INVALID_ARGUMENT unless `bytes` starts with a well-formed record (the CM
 // may pad private data with zeros).
 [[nodiscard]] StatusOr<ConnectData> DecodeConnectData(std::string_view bytes);
@@ -46,7 +49,10 @@ std::string EncodeConnectData(const ConnectData& data);
 // join different groups), takes the group's protection domain where it
 // has one (else allocates one), and makes the control buffers (registered
 // for local access only) and the RC queue pair for `id`, which has a
-// device (address resolved, or a connect request).
+// device (address resolved, or a connect request). In a shared domain the
+// receives come from the group's shared receive queue, which backs the
+// first receives (CompletionGroup::Membership::TakeSharedReceives);
+// otherwise the connection posts all of its receives itself.
 // config.max_write_bytes is lowered to the port's max_msg_sz (and to
 // RDMARPC_RDMA_MAX_WRITE_BYTES when set); config.post_aside_bytes is set
 // on a software device (RDMARPC_RDMA_POST_ASIDE_BYTES overrides it on any

@@ -6,21 +6,38 @@
 
 namespace rdmarpc::rdma {
 
+namespace {
+
+uint32_t FirstOr(uint32_t first, uint32_t all) {
+  return first == 0 ? all : first;
+}
+
+}  // namespace
+
 CreditWindow::CreditWindow(const Options& options)
     : options_(options),
-      peer_credits_(options.peer_receives),
-      free_slots_(options.send_queue_slots) {
-  if (options_.return_threshold == 0) {
-    options_.return_threshold =
-        std::max<uint32_t>(2, options_.own_receives / 2);
-  }
-}
+      peer_credits_(
+          FirstOr(options.peer_first_receives, options.peer_receives)),
+      peer_allotted_(peer_credits_),
+      own_allotted_(FirstOr(options.own_first_receives, options.own_receives)),
+      free_slots_(options.send_queue_slots) {}
 
 Status CreditWindow::Validate(const Options& options) {
   if (options.peer_receives < 4 || options.own_receives < 4) {
     return absl::InvalidArgumentError(absl::StrCat(
         "RDMA control receives must be at least 4 per side (peer ",
         options.peer_receives, ", own ", options.own_receives, ")"));
+  }
+  const uint32_t peer_first =
+      FirstOr(options.peer_first_receives, options.peer_receives);
+  const uint32_t own_first =
+      FirstOr(options.own_first_receives, options.own_receives);
+  if (peer_first < 4 || peer_first > options.peer_receives || own_first < 4 ||
+      own_first > options.own_receives) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "RDMA first control receives must be in [4, receives] (peer ",
+        peer_first, " of ", options.peer_receives, ", own ", own_first, " of ",
+        options.own_receives, ")"));
   }
   if (options.send_queue_slots == 0) {
     return absl::InvalidArgumentError("RDMA send queue depth must be > 0");
@@ -62,7 +79,25 @@ uint32_t CreditWindow::TakeReturnable() {
 }
 
 bool CreditWindow::ShouldSendCreditReturn() const {
-  return returnable_ >= options_.return_threshold;
+  const uint32_t half = std::max<uint32_t>(2, own_allotted_ / 2);
+  const uint32_t threshold = options_.return_threshold == 0
+                                 ? half
+                                 : std::min(options_.return_threshold, half);
+  return returnable_ >= threshold;
+}
+
+bool CreditWindow::WantsCredits() const {
+  return peer_allotted_ < options_.peer_receives &&
+         peer_credits_ <= peer_allotted_ / 4;
+}
+
+uint32_t CreditWindow::GrantWanted() const {
+  return std::min(own_allotted_, options_.own_receives - own_allotted_);
+}
+
+void CreditWindow::Grant(uint32_t n) {
+  own_allotted_ += n;
+  returnable_ += n;
 }
 
 Status CreditWindow::OnSendCompleted(uint32_t n) {
@@ -76,20 +111,25 @@ Status CreditWindow::OnSendCompleted(uint32_t n) {
 }
 
 Status CreditWindow::OnPeerReturned(uint32_t n) {
-  if (n > options_.peer_receives - peer_credits_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("peer returned ", n, " receive credits but owed only ",
-                     options_.peer_receives - peer_credits_,
-                     " (protocol violation; closing the connection)"));
+  const uint32_t owed = peer_allotted_ - peer_credits_;
+  if (n > owed) {
+    const uint32_t granted = n - owed;
+    if (granted > options_.peer_receives - peer_allotted_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "peer returned ", n, " receive credits but owed only ", owed,
+          " and may grant only ", options_.peer_receives - peer_allotted_,
+          " more (protocol violation; closing the connection)"));
+    }
+    peer_allotted_ += granted;
   }
   peer_credits_ += n;
   return absl::OkStatus();
 }
 
 Status CreditWindow::OnReceiveReposted() {
-  if (returnable_ >= options_.own_receives) {
+  if (returnable_ >= own_allotted_) {
     return absl::InternalError(absl::StrCat("re-posted more receives than the ",
-                                            options_.own_receives,
+                                            own_allotted_,
                                             " the peer can have consumed"));
   }
   ++returnable_;

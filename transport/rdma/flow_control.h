@@ -8,12 +8,21 @@
 // OnPeerReturned/OnSendCompleted make room.
 //
 // Credits come back piggybacked: every frame's preamble carries the number of
-// receives its sender re-posted since its previous frame. When a side has
+// receives its sender re-posted since its previous frame, plus any credits it
+// grants (below). When a side has
 // nothing else to send it returns them in a credit frame once
 // `return_threshold` have piled up. The last peer receive is kept for such a
 // frame (data frames leave it alone), so two sides that both ran out can
 // always tell each other; credit frames themselves are returned lazily, so
 // they never ping-pong.
+//
+// Grants: a side starts with `first` credits of the peer's (its allotment)
+// and may be granted more, up to the peer's `receives`, which the peer backs
+// with receives from its pool (a shared receive queue's, or its own). A
+// sender running low sets WantsCredits() in its frames' preambles; the
+// receiver grants by returning more than it owes (Grant), and the sender
+// takes the excess over what it was owed as a grant (OnPeerReturned). A
+// receiver never takes credits back, so what a sender was owed stays exact.
 //
 //   CreditWindow window({.peer_receives = 64, .send_queue_slots = 128});
 //   if (window.TryTakeForData()) {
@@ -39,17 +48,24 @@ namespace rdmarpc::rdma {
 class CreditWindow {
  public:
   struct Options {
-    // Receives the peer posted for us at connection time (from the
-    // handshake); also the most it can ever owe us.
+    // The most receives the peer may back for us (from the handshake): the
+    // ceiling of our allotment.
     uint32_t peer_receives = 64;
+    // Our allotment at connection time (from the handshake); 0: all of
+    // peer_receives.
+    uint32_t peer_first_receives = 0;
     // Our send queue depth (max_send_wr of the queue pair).
     uint32_t send_queue_slots = 128;
-    // Our own posted receives: the most credits we can owe the peer.
+    // The most receives we back for the peer: the ceiling of its
+    // allotment, and so the most credits we can owe it.
     uint32_t own_receives = 64;
-    // Pending returns that justify a frame of their own; 0: half of
-    // own_receives. At least 2 (one credit frame then cannot answer
-    // another) and below own_receives (so a side that holds all but the
-    // reserved credit always gets them back): receives must be >= 4.
+    // The peer's allotment at connection time; 0: all of own_receives.
+    uint32_t own_first_receives = 0;
+    // Pending returns that justify a frame of their own; 0: half of the
+    // peer's allotment as it stands. At least 2 (one credit frame then
+    // cannot answer another) and below own_receives (so a side that holds
+    // all but the reserved credit always gets them back): receives must
+    // be >= 4. Above half the allotment, half the allotment.
     uint32_t return_threshold = 0;
   };
 
@@ -72,11 +88,23 @@ class CreditWindow {
   // Whether pending returns justify a credit frame now.
   bool ShouldSendCreditReturn() const;
 
+  // Whether our frames should ask the peer for more credits: a quarter or
+  // less of our allotment is left, and the peer may grant more.
+  bool WantsCredits() const;
+  // Receiver: how many credits a peer that asks should be granted now
+  // (doubling its allotment, up to own_receives); 0 when it has them all.
+  uint32_t GrantWanted() const;
+  // Receiver: grants the peer `n` more credits, backed by receives the
+  // caller made sure of; they go out with the next returns. At most
+  // GrantWanted().
+  void Grant(uint32_t n);
+
   // `n` of our work requests completed (their send slots are free again).
   // INTERNAL if more complete than were taken: a bookkeeping bug.
   [[nodiscard]] Status OnSendCompleted(uint32_t n = 1);
-  // The peer returned `n` receives. FAILED_PRECONDITION (a protocol
-  // violation: fail the connection) if it returns more than it owes.
+  // The peer returned `n` receives; beyond what it owed, a grant.
+  // FAILED_PRECONDITION (a protocol violation: fail the connection) if the
+  // grant takes our allotment past peer_receives.
   [[nodiscard]] Status OnPeerReturned(uint32_t n);
   // We re-posted one receive the peer had consumed.
   [[nodiscard]] Status OnReceiveReposted();
@@ -84,10 +112,16 @@ class CreditWindow {
   uint32_t peer_credits() const { return peer_credits_; }
   uint32_t free_send_slots() const { return free_slots_; }
   uint32_t returnable() const { return returnable_; }
+  // Credits the peer granted us so far / allotment: ours of the peer's
+  // receives, and the peer's of ours.
+  uint32_t peer_allotment() const { return peer_allotted_; }
+  uint32_t own_allotment() const { return own_allotted_; }
 
  private:
   Options options_;
   uint32_t peer_credits_;
+  uint32_t peer_allotted_;
+  uint32_t own_allotted_;
   uint32_t free_slots_;
   uint32_t returnable_ = 0;
 };

@@ -30,10 +30,13 @@ StatusOr<HelloAnswer> ParseHelloAnswer(std::string_view bytes, bool* no_rdma) {
       server.token().size() != kTokenBytes) {
     return absl::UnavailableError("RDMA handshake answer is malformed");
   }
-  if (Status offered = CheckReceives(server.receives(), server.receive_bytes(),
-                                     "the server's RDMA receives");
-      !offered.ok()) {
-    return absl::UnavailableError(offered.message());
+  if (Status offered =
+          CheckReceives(server.receives(), server.receive_bytes(),
+                        "the server's RDMA receives", server.first_receives());
+      !offered.ok() || server.first_receives() == 0) {
+    return absl::UnavailableError(
+        offered.ok() ? "the server's RDMA handshake names no first receives"
+                     : offered.message());
   }
   if (server.inline_threshold() > server.receive_bytes()) {
     return absl::UnavailableError(absl::StrCat(
@@ -46,6 +49,7 @@ StatusOr<HelloAnswer> ParseHelloAnswer(std::string_view bytes, bool* no_rdma) {
   answer.cm_port = static_cast<uint16_t>(server.cm_port());
   answer.token = server.token();
   answer.receives = server.receives();
+  answer.first_receives = server.first_receives();
   answer.receive_bytes = server.receive_bytes();
   answer.inline_threshold = server.inline_threshold();
   answer.server_instance = server.server_instance();

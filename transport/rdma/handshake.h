@@ -34,6 +34,7 @@ struct HelloAnswer {
   uint16_t cm_port = 0;
   std::string token;  // kTokenBytes
   uint32_t receives = 0;
+  uint32_t first_receives = 0;
   uint32_t receive_bytes = 0;
   uint64_t inline_threshold = 0;  // <= receive_bytes
   uint64_t server_instance = 0;

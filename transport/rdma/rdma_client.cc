@@ -63,6 +63,8 @@ internal::FastConnectResult RdmaClientTransport::Connect(
   }
   ConnectionConfig config;
   config.peer_receives = server->receives;
+  config.peer_first_receives = server->first_receives;
+  config.first_receives = FirstReceives(config.receives);
   config.peer_receive_bytes = server->receive_bytes;
   uint64_t threshold = server->inline_threshold;
   if (options.rdma_inline_threshold != 0) {

@@ -81,6 +81,7 @@ StatusOr<std::string> RdmaServerTransport::Hello(const std::string& request) {
   response.set_server_instance(dispatcher_->server_instance());
   response.set_token(token);
   response.set_receives(options_.receives);
+  response.set_first_receives(FirstReceives(options_.receives));
   response.set_receive_bytes(options_.receive_bytes);
   response.set_inline_threshold(options_.inline_threshold);
   return response.SerializeAsString();
@@ -123,13 +124,18 @@ void RdmaServerTransport::OnConnectRequest(const CmEvent& event) {
   }
   if (shut_down || !client_id) return refuse("no valid token");
   if (full) return refuse(ConnectionLimitReason());
-  if (!CheckReceives(data->receives, data->receive_bytes, "the client").ok()) {
+  if (!CheckReceives(data->receives, data->receive_bytes, "the client",
+                     data->first_receives)
+           .ok() ||
+      data->first_receives == 0) {
     return refuse("receive sizes out of range");
   }
   ConnectionConfig config;
   config.receives = options_.receives;
+  config.first_receives = FirstReceives(options_.receives);
   config.receive_bytes = options_.receive_bytes;
   config.peer_receives = data->receives;
+  config.peer_first_receives = data->first_receives;
   config.peer_receive_bytes = data->receive_bytes;
   char peer_text[INET6_ADDRSTRLEN] = "?";
   sockaddr* dst = rdma_get_peer_addr(event.id);
@@ -158,7 +164,9 @@ void RdmaServerTransport::OnConnectRequest(const CmEvent& event) {
   // ESTABLISHED event.
   shared_->accepted.fetch_add(1);
   const bool shares_domain = (*conn)->shares_domain();
+  const bool shares_receives = (*conn)->shares_receives();
   if (shares_domain) shared_->accepted_in_shared_domains.fetch_add(1);
+  if (shares_receives) shared_->accepted_with_shared_receives.fetch_add(1);
   {
     std::lock_guard<std::mutex> lock(shared_->mu);
     ++shared_->endpoints_open;
@@ -176,6 +184,9 @@ void RdmaServerTransport::OnConnectRequest(const CmEvent& event) {
   if (rdma_accept(event.id, &param) != 0) {
     shared_->accepted.fetch_sub(1);
     if (shares_domain) shared_->accepted_in_shared_domains.fetch_sub(1);
+    if (shares_receives) {
+      shared_->accepted_with_shared_receives.fetch_sub(1);
+    }
     (*conn)->Close(VerbsError("rdma_accept", errno));
   }
   Status added = Engine::Add(*conn);
@@ -233,6 +244,8 @@ RdmaServerStats RdmaServerTransport::stats() const {
   s.status = listener_->status();
   s.connections_accepted = shared_->accepted.load();
   s.connections_in_shared_domains = shared_->accepted_in_shared_domains.load();
+  s.connections_with_shared_receives =
+      shared_->accepted_with_shared_receives.load();
   s.connects_refused = shared_->refused.load();
   s.protocol_errors = shared_->protocol_errors.load();
   s.landing_windows = shared_->landing_windows.load();

@@ -51,6 +51,7 @@ struct ServerShared {
   std::vector<std::weak_ptr<internal::ServerCallState>> detached;
   std::atomic<uint64_t> accepted{0};
   std::atomic<uint64_t> accepted_in_shared_domains{0};
+  std::atomic<uint64_t> accepted_with_shared_receives{0};
   std::atomic<uint64_t> refused{0};
   std::atomic<uint64_t> protocol_errors{0};
   std::atomic<uint64_t> landing_windows{0};

@@ -115,6 +115,19 @@ StatusOr<ProtectionDomain> AllocatePd(ibv_context* device) {
   return pd;
 }
 
+StatusOr<SharedReceiveQueue> CreateSrq(ibv_pd* pd, uint32_t max_wr) {
+  ibv_srq_init_attr attr{};
+  attr.attr.max_wr = max_wr;
+  attr.attr.max_sge = 1;
+  errno = 0;
+  SharedReceiveQueue srq(ibv_create_srq(pd, &attr));
+  if (srq == nullptr) {
+    return VerbsError(absl::StrCat("ibv_create_srq(", max_wr, " receives)"),
+                      LastErrno());
+  }
+  return srq;
+}
+
 StatusOr<CompletionQueue> CreateCq(ibv_context* device, int entries,
                                    ibv_comp_channel* channel) {
   errno = 0;
@@ -159,7 +172,8 @@ StatusOr<CmQueuePair> CreateRcQp(rdma_cm_id* id, ibv_pd* pd, ibv_cq* cq,
   attr.recv_cq = cq;
   attr.qp_type = IBV_QPT_RC;
   attr.cap.max_send_wr = caps.max_send_wr;
-  attr.cap.max_recv_wr = caps.max_recv_wr;
+  attr.cap.max_recv_wr = caps.srq == nullptr ? caps.max_recv_wr : 0;
+  attr.srq = caps.srq;
   attr.cap.max_send_sge = caps.max_send_sge;
   attr.cap.max_recv_sge = caps.max_recv_sge;
   attr.cap.max_inline_data = caps.max_inline_data;

@@ -60,6 +60,8 @@ using ProtectionDomain = std::unique_ptr<ibv_pd, ProtectionDomainDeleter>;
 using CompletionChannel =
     std::unique_ptr<ibv_comp_channel, VerbsDeleter<ibv_destroy_comp_channel>>;
 using CompletionQueue = std::unique_ptr<ibv_cq, VerbsDeleter<ibv_destroy_cq>>;
+using SharedReceiveQueue =
+    std::unique_ptr<ibv_srq, VerbsDeleter<ibv_destroy_srq>>;
 // Deregisters; a refusal (a type-2 window still bound over the region,
 // say) leaves the pages pinned for the process's life, so it is counted
 // (FailedDeregistrations) and reported on stderr.
@@ -111,6 +113,9 @@ class CmQueuePair {
 [[nodiscard]] StatusOr<ProtectionDomain> AllocatePd(ibv_context* device);
 [[nodiscard]] StatusOr<CompletionQueue> CreateCq(
     ibv_context* device, int entries, ibv_comp_channel* channel = nullptr);
+// A shared receive queue of `max_wr` single-buffer receives.
+[[nodiscard]] StatusOr<SharedReceiveQueue> CreateSrq(ibv_pd* pd,
+                                                     uint32_t max_wr);
 
 // Registers [addr, addr + length) for `access`. On failure the message names
 // the cause a user can fix: with ENOMEM/EPERM/EAGAIN it reports the
@@ -147,6 +152,8 @@ struct QpCaps {
   uint32_t max_send_sge = 1;
   uint32_t max_recv_sge = 1;
   uint32_t max_inline_data = 0;
+  // Receives come from this shared queue (max_recv_wr is then ignored).
+  ibv_srq* srq = nullptr;
 };
 [[nodiscard]] StatusOr<CmQueuePair> CreateRcQp(rdma_cm_id* id, ibv_pd* pd,
                                                ibv_cq* cq, const QpCaps& caps);

@@ -171,7 +171,10 @@ StatusOr<FrameView> DecodeFrame(std::string_view bytes) {
       type > static_cast<uint8_t>(FrameType::kPong)) {
     return Malformed(absl::StrCat("unknown frame type ", type));
   }
-  if (GetLe(p + 6, 2) != 0) return Malformed("reserved bits set");
+  const uint64_t flags = GetLe(p + 6, 2);
+  if ((flags & ~uint64_t{kFlagWantsCredits}) != 0) {
+    return Malformed("reserved bits set");
+  }
   uint64_t head_bytes = GetLe(p + 8, 4);
   uint64_t inline_bytes = GetLe(p + 12, 4);
   if (kPreambleBytes + head_bytes + inline_bytes != bytes.size()) {
@@ -181,6 +184,7 @@ StatusOr<FrameView> DecodeFrame(std::string_view bytes) {
   }
   FrameView view{static_cast<FrameType>(type),
                  static_cast<uint16_t>(GetLe(p + 4, 2)),
+                 (flags & kFlagWantsCredits) != 0,
                  bytes.substr(kPreambleBytes, head_bytes),
                  bytes.substr(kPreambleBytes + head_bytes)};
   if (view.type == FrameType::kCredit &&

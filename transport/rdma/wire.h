@@ -3,10 +3,14 @@
 // A frame is a 16-byte preamble, then a protobuf head, then the bytes of the
 // parts sent inline, back to back in part order:
 //
-//   offset 0  u16 magic 0x5252 ("RR")     offset 6  u16 reserved, 0
+//   offset 0  u16 magic 0x5252 ("RR")     offset 6  u16 flags (kFlag*)
 //          2  u8  version (kWireVersion)         8  u32 head bytes
 //          3  u8  FrameType                     12  u32 inline bytes
 //          4  u16 credits returned (see flow_control.h)
+//
+// Flags: kFlagWantsCredits, the sender is running low on the receiver's
+// credits and may be granted more (CreditWindow::WantsCredits); the other
+// bits are 0.
 //
 // All integers little-endian. Every field a peer sends is checked before
 // use: a frame that a correct peer would not send is INVALID_ARGUMENT, and
@@ -39,8 +43,11 @@
 namespace rdmarpc::rdma {
 
 inline constexpr uint16_t kWireMagic = 0x5252;
-inline constexpr uint8_t kWireVersion = 1;
+// 2: credits granted beyond the first receives, the flags field.
+inline constexpr uint8_t kWireVersion = 2;
 inline constexpr size_t kPreambleBytes = 16;
+// The preamble's flags (offset 6).
+inline constexpr uint16_t kFlagWantsCredits = 1;
 
 // The heads of frames are built and parsed in the thread's reusable message
 // (runtime/scratch_message.h); what it holds stays bounded by the wire
@@ -61,6 +68,7 @@ enum class FrameType : uint8_t {
 struct FrameView {
   FrameType type;
   uint16_t credits;
+  bool wants_credits;
   std::string_view head;
   std::string_view inline_bytes;
 };

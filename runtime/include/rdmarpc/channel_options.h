@@ -167,6 +167,9 @@ struct ChannelTransportStats {
   // whose post moves the bytes before it returns.
   uint64_t rdma_writes_posted_aside = 0;
   uint64_t rdma_credit_frames_sent = 0;
+  // Credits this side granted the server beyond the first receives it
+  // starts with, when it ran low (docs/design.md, "Flow control").
+  uint64_t rdma_credits_granted = 0;
   uint64_t rdma_waits_for_credit = 0;
   // Frames sent without a completion of their own (a later one covers
   // them), and zero-length writes posted to complete such frames when the

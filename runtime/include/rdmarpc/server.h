@@ -155,6 +155,11 @@ struct RdmaServerStats {
   // memory windows and the process no GPU; RDMARPC_RDMA_SHARED_DOMAINS=0
   // gives each its own).
   uint64_t connections_in_shared_domains = 0;
+  // Of those, the ones whose receives come from their completion queue's
+  // shared receive queue (RDMARPC_RDMA_SHARED_RECEIVES=0: none), so that
+  // control buffers grow with the credits clients use, not with
+  // connections.
+  uint64_t connections_with_shared_receives = 0;
   // Connect requests without a valid one-time token from the handshake.
   uint64_t connects_refused = 0;
   // Connections closed because the peer broke the protocol.

@@ -24,6 +24,7 @@
 #include "runtime/fault_injection.h"
 #include "runtime/spin.h"
 #include "transport/grpc/grpc_client.h"
+#include "transport/rdma/completion_group.h"
 #include "transport/rdma/connection_setup.h"
 #include "transport/rdma/engine.h"
 #include "transport/rdma/landing_arena.h"
@@ -1258,6 +1259,9 @@ class ForgedPeerTest : public ::testing::Test {
       std::shared_ptr<RecordingHandler> handler) {
     rdmarpc::rdma::ConnectionConfig config;
     config.peer_receives = hello.receives();
+    config.peer_first_receives = hello.first_receives();
+    // As the client transport starts its peer.
+    config.first_receives = rdmarpc::rdma::FirstReceives(config.receives);
     config.peer_receive_bytes = hello.receive_bytes();
     return rdmarpc::rdma::ConnectToServer(
         hello.cm_address(), static_cast<uint16_t>(hello.cm_port()), token,
@@ -1515,6 +1519,87 @@ TEST_F(ForgedPeerTest, AGrantIsUselessOnAnotherConnectionOfItsDomain) {
   EXPECT_EQ(a.handler->Next().first, rdmarpc::rdma::FrameType::kResponse);
   EXPECT_EQ(service_.echo_calls.load(), 1);
   a.conn->Close(absl::CancelledError("test done"));
+}
+
+// A peer starts with the other side's first receives and is granted more
+// when it runs low: pings sent at once, more than the first receives, all
+// get their pongs, and the client's allotment of the server's receives
+// grew (backed by the server's shared receive queue where it has one).
+TEST_F(ForgedPeerTest, APeerThatRunsLowOnCreditsIsGrantedMore) {
+  using rdmarpc::rdma::FrameType;
+  using rdmarpc::rdma::kFirstReceives;
+  rdmarpc::rdma::HelloResponse hello = Hello();
+  ASSERT_EQ(hello.first_receives(), kFirstReceives);
+  auto handler = std::make_shared<RecordingHandler>();
+  auto conn = Connect(hello, hello.token(), handler);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  EXPECT_EQ((*conn)->allotments().ours, kFirstReceives);
+  constexpr uint64_t kPings = 3 * kFirstReceives;
+  rdmarpc::rdma::Ping ping;
+  for (uint64_t i = 1; i <= kPings; ++i) {
+    ping.set_sequence(i);
+    ASSERT_TRUE((*conn)->SendFrame(FrameType::kPing, &ping).ok());
+  }
+  for (uint64_t i = 1; i <= kPings; ++i) {
+    ASSERT_EQ(handler->Next().first, FrameType::kPong) << "pong " << i;
+  }
+  EXPECT_GT((*conn)->counters().waits_for_credit, 0u);
+  const uint32_t granted = (*conn)->allotments().ours;
+  EXPECT_GT(granted, kFirstReceives);
+  EXPECT_LE(granted, hello.receives());
+  const rdmarpc::RdmaServerStats stats = server_->rdma_stats();
+  EXPECT_EQ(stats.connections_with_shared_receives,
+            stats.connections_in_shared_domains);
+  EXPECT_EQ(stats.protocol_errors, 0u);
+  (*conn)->Close(absl::CancelledError("test done"));
+  EXPECT_TRUE(handler->WaitClosed());
+}
+
+// The connections of a completion group back their peers' first receives
+// from one pool: 8 connections take 8 x 16 receive buffers (plus at most
+// a chunk of spare), not 8 x 64, and each still gets its answers.
+TEST_F(ForgedPeerTest, ConnectionsOfAGroupShareOnePoolOfReceives) {
+  using rdmarpc::rdma::CompletionGroup;
+  using rdmarpc::rdma::kFirstReceives;
+  rdmarpc::rdma::Engine::SetPollersForTesting(1);
+  absl::Cleanup pollers_again = [] {
+    rdmarpc::rdma::Engine::SetPollersForTesting(0);
+  };
+  constexpr uint32_t kConnections = 8;
+  std::vector<std::shared_ptr<RecordingHandler>> handlers;
+  std::vector<std::shared_ptr<rdmarpc::rdma::Connection>> conns;
+  uint32_t receives = 0;
+  for (uint32_t i = 0; i < kConnections; ++i) {
+    rdmarpc::rdma::HelloResponse hello = Hello();
+    receives = hello.receives();
+    handlers.push_back(std::make_shared<RecordingHandler>());
+    auto conn = Connect(hello, hello.token(), handlers.back());
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    conns.push_back(*conn);
+  }
+  if (!conns[0]->shares_receives()) {
+    GTEST_SKIP() << "connections here have receives of their own (no "
+                    "shared protection domain, or "
+                    "RDMARPC_RDMA_SHARED_RECEIVES=0)";
+  }
+  const uint32_t buffers = conns[0]->shared_receive_buffers();
+  EXPECT_GE(buffers, kConnections * kFirstReceives);
+  EXPECT_LE(buffers, kConnections * kFirstReceives +
+                         CompletionGroup::kSharedChunkReceives);
+  EXPECT_LT(buffers, kConnections * receives);
+  EXPECT_EQ(server_->rdma_stats().connections_with_shared_receives,
+            kConnections);
+  rdmarpc::rdma::Ping ping;
+  for (uint32_t i = 0; i < kConnections; ++i) {
+    EXPECT_TRUE(conns[i]->shares_receives());
+    EXPECT_EQ(conns[i]->shared_receive_buffers(), buffers);
+    ping.set_sequence(i + 1);
+    ASSERT_TRUE(
+        conns[i]->SendFrame(rdmarpc::rdma::FrameType::kPing, &ping).ok());
+    EXPECT_EQ(handlers[i]->Next().first, rdmarpc::rdma::FrameType::kPong);
+  }
+  for (auto& conn : conns) conn->Close(absl::CancelledError("test done"));
+  for (auto& handler : handlers) EXPECT_TRUE(handler->WaitClosed());
 }
 
 TEST_F(ForgedPeerTest, UnsignaledFramesCompleteOnceFlushed) {

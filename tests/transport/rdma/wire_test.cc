@@ -182,6 +182,18 @@ TEST(WireTest, FrameThatDoesNotFitIsResourceExhausted) {
   EXPECT_EQ(n.status().code(), absl::StatusCode::kResourceExhausted);
 }
 
+TEST(WireTest, TheWantsCreditsFlagIsRead) {
+  RequestHead head = Request({{false, 0}});
+  std::string frame = Encode(FrameType::kRequest, 0, &head);
+  auto plain = DecodeFrame(frame);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_FALSE(plain->wants_credits);
+  frame[6] = static_cast<char>(kFlagWantsCredits);
+  auto wanting = DecodeFrame(frame);
+  ASSERT_TRUE(wanting.ok()) << wanting.status();
+  EXPECT_TRUE(wanting->wants_credits);
+}
+
 TEST(WireTest, PreambleErrors) {
   RequestHead head = Request({{false, 0}});
   std::string good = Encode(FrameType::kRequest, 0, &head);
@@ -200,6 +212,9 @@ TEST(WireTest, PreambleErrors) {
   ExpectMalformed(DecodeFrame(bad).status(), "unknown frame type 8");
   bad = good;
   bad[7] = 1;
+  ExpectMalformed(DecodeFrame(bad).status(), "reserved bits");
+  bad = good;
+  bad[6] = 2;
   ExpectMalformed(DecodeFrame(bad).status(), "reserved bits");
   ExpectMalformed(DecodeFrame(good + "x").status(), "preamble announces");
   ExpectMalformed(DecodeFrame(good.substr(0, good.size() - 1)).status(),
