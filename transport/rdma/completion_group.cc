@@ -13,6 +13,7 @@
 #include "rdmarpc/memory.h"
 #include "runtime/spin.h"
 #include "transport/rdma/connection.h"
+#include "transport/rdma/registration.h"
 
 namespace rdmarpc::rdma {
 namespace {
@@ -222,21 +223,41 @@ bool CompletionGroup::HoldForChange() {
 void CompletionGroup::Install(uint32_t key, Connection* conn,
                               uint32_t shared_qp_num) {
   if (shared_qp_num != 0) {
-    // The map is the polling thread's: changed with the group held.
-    const bool took = HoldForChange();
-    shared_members_[shared_qp_num] = conn;
-    if (took) polling_.store(false, std::memory_order_release);
+    // The map is the holder's: it takes the entry before its next poll
+    // (or when a receive of this queue pair finds none).
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_members_.emplace_back(shared_qp_num, conn);
+    members_pending_.store(true, std::memory_order_release);
   }
   slots_[key & kSlotMask].store(conn, std::memory_order_release);
 }
 
+void CompletionGroup::TakePendingMembersHeld() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [qp_num, conn] : pending_members_) {
+    shared_members_[qp_num] = conn;
+  }
+  pending_members_.clear();
+  members_pending_.store(false, std::memory_order_relaxed);
+}
+
 void CompletionGroup::Uninstall(uint32_t key, uint32_t shared_qp_num) {
   std::atomic<Connection*>& slot = slots_[key & kSlotMask];
-  if (slot.load(std::memory_order_relaxed) == nullptr) return;
+  Connection* conn = slot.load(std::memory_order_relaxed);
+  if (conn == nullptr) return;
   // With the group held, no completion is being handed to it.
   const bool took = HoldForChange();
   slot.store(nullptr, std::memory_order_relaxed);
-  if (shared_qp_num != 0) shared_members_.erase(shared_qp_num);
+  if (shared_qp_num != 0) {
+    if (members_pending_.load(std::memory_order_acquire)) {
+      TakePendingMembersHeld();
+    }
+    // A later queue pair may have the number already: only its own entry.
+    auto it = shared_members_.find(shared_qp_num);
+    if (it != shared_members_.end() && it->second == conn) {
+      shared_members_.erase(it);
+    }
+  }
   if (took) polling_.store(false, std::memory_order_release);
 }
 
@@ -271,8 +292,7 @@ ibv_srq* CompletionGroup::TakeSharedReceives(uint32_t key,
   // until `first` of them are this member's.
   uint32_t allotted = shared_allotted_.load(std::memory_order_acquire);
   for (;;) {
-    const uint32_t total = shared_total_.load(std::memory_order_acquire);
-    if (total - allotted < first) {
+    if (SpareShared(allotted) < first) {
       if (!GrowSharedLocked().ok()) return nullptr;
       allotted = shared_allotted_.load(std::memory_order_acquire);
       continue;
@@ -286,28 +306,51 @@ ibv_srq* CompletionGroup::TakeSharedReceives(uint32_t key,
   return srq_.get();
 }
 
+uint32_t CompletionGroup::SpareShared(uint32_t allotted) const {
+  const uint32_t usable = shared_receive_buffers();
+  return usable > allotted ? usable - allotted : 0;
+}
+
 Status CompletionGroup::GrowSharedLocked() {
-  const uint32_t total = shared_total_.load(std::memory_order_relaxed);
-  if (total + kSharedChunkReceives > srq_capacity_) {
+  if ((next_chunk_ + 1) * kSharedChunkReceives > srq_capacity_) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the shared receive queue holds its ", srq_capacity_, " receives"));
   }
+  const uint32_t first_index = next_chunk_ * kSharedChunkReceives;
   auto chunk = std::make_unique<SharedChunk>();
   const size_t bytes = size_t{kSharedChunkReceives} * srq_receive_bytes_;
   chunk->bytes = std::make_unique<uint8_t[]>(bytes);
   RDMARPC_ASSIGN_OR_RETURN(chunk->mr,
                            RegisterMemory(pd_.get(), chunk->bytes.get(), bytes,
                                           IBV_ACCESS_LOCAL_WRITE));
-  shared_chunks_[total / kSharedChunkReceives].store(chunk.get(),
-                                                     std::memory_order_release);
+  shared_chunks_[next_chunk_++].store(chunk.get(), std::memory_order_release);
   owned_chunks_.push_back(std::move(chunk));
   for (uint32_t i = 0; i < kSharedChunkReceives; ++i) {
     // A buffer that cannot be posted is not counted: nothing is allotted
-    // against it.
-    RDMARPC_RETURN_IF_ERROR(PostShared(total + i));
+    // against it (and the queue is likely broken: no more are tried).
+    RDMARPC_RETURN_IF_ERROR(PostShared(first_index + i));
     shared_total_.fetch_add(1, std::memory_order_acq_rel);
   }
   return absl::OkStatus();
+}
+
+void CompletionGroup::GrowSharedAside() {
+  // Full (the capacity is set before the first member is installed).
+  if (shared_total_.load(std::memory_order_acquire) + kSharedChunkReceives >
+      srq_capacity_) {
+    return;
+  }
+  if (growing_aside_.exchange(true, std::memory_order_acq_rel)) return;
+  RunAside([self = shared_from_this()] {
+    {
+      std::lock_guard<std::mutex> lock(self->mu_);
+      if (!self->closed_.load(std::memory_order_relaxed)) {
+        // Full, or a registration that failed: grants stay as they are.
+        (void)self->GrowSharedLocked();
+      }
+    }
+    self->growing_aside_.store(false, std::memory_order_release);
+  });
 }
 
 uint8_t* CompletionGroup::SharedReceiveBuffer(uint32_t index) const {
@@ -346,11 +389,13 @@ uint32_t CompletionGroup::AllotShared(uint32_t key, uint32_t want) {
   uint32_t allotted = shared_allotted_.load(std::memory_order_acquire);
   uint32_t granted = 0;
   do {
-    const uint32_t total = shared_total_.load(std::memory_order_acquire);
-    granted = std::min(want, total - allotted);
-    if (granted == 0) return 0;
+    granted = std::min(want, SpareShared(allotted));
+    if (granted == 0) break;
   } while (!shared_allotted_.compare_exchange_weak(allotted, allotted + granted,
                                                    std::memory_order_acq_rel));
+  // Fewer spare than wanted: more for the next grant, registered aside.
+  if (granted < want) GrowSharedAside();
+  if (granted == 0) return 0;
   slot_allotted_[key & kSlotMask].fetch_add(granted, std::memory_order_relaxed);
   return granted;
 }
@@ -408,12 +453,25 @@ bool CompletionGroup::TryTake() {
   return true;
 }
 
+bool CompletionGroup::TakeBlocking() {
+  if (HeldHere()) return false;
+  while (polling_.exchange(true, std::memory_order_acquire)) {
+    internal::CpuRelax();
+  }
+  held_before_ = held_group;
+  held_group = this;
+  return true;
+}
+
 void CompletionGroup::GiveBack() {
   held_group = held_before_;
   polling_.store(false, std::memory_order_release);
 }
 
 int CompletionGroup::PollHeld() {
+  if (members_pending_.load(std::memory_order_acquire)) {
+    TakePendingMembersHeld();
+  }
   ibv_wc wcs[kPollBatch];
   const int n = ibv_poll_cq(cq_.get(), kPollBatch, wcs);
   if (n < 0) {
@@ -444,6 +502,11 @@ void CompletionGroup::Dispatch(const ibv_wc& wc) {
 void CompletionGroup::DispatchShared(const ibv_wc& wc) {
   const auto index = static_cast<uint32_t>(wc.wr_id & kLocalMask);
   auto it = shared_members_.find(wc.qp_num);
+  if (it == shared_members_.end() &&
+      members_pending_.load(std::memory_order_acquire)) {
+    TakePendingMembersHeld();
+    it = shared_members_.find(wc.qp_num);
+  }
   // The member re-posts the buffer itself (before it returns the credit);
   // otherwise (it failed, closed, or has gone) it goes back here.
   if (it != shared_members_.end() && it->second->OnCompletion(wc)) return;

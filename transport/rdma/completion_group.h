@@ -175,9 +175,12 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   // RepostShared requires the group held.
   uint8_t* SharedReceiveBuffer(uint32_t index) const;
   [[nodiscard]] Status RepostShared(uint32_t index);
-  // Buffers in the pool, and those backing members' allotments.
+  // Buffers in the pool (posted, or in a member's hands until posted
+  // again), and those backing members' allotments.
   uint32_t shared_receive_buffers() const {
-    return shared_total_.load(std::memory_order_acquire);
+    return shared_total_.load(std::memory_order_acquire) -
+           static_cast<uint32_t>(
+               shared_reposts_failed_.load(std::memory_order_acquire));
   }
   uint32_t shared_receives_allotted() const {
     return shared_allotted_.load(std::memory_order_acquire);
@@ -189,6 +192,10 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   // a connection and destroying the queue wait for the holder.)
   bool TryTake();
   void GiveBack();
+  // Takes the group, waiting for its holder, unless this thread holds it
+  // already; true when it took it (then GiveBack). For tearing down a
+  // member that no engine finished.
+  bool TakeBlocking();
   // Polls one batch and hands each completion to its member; the number
   // found. Requires the group held. A failed poll closes every member and
   // marks the group broken.
@@ -223,6 +230,13 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   void DispatchShared(const ibv_wc& wc);
   // Takes polling_ unless this thread holds the group; true if it did.
   bool HoldForChange();
+  // Applies the shared members Install queued. Requires the group held.
+  void TakePendingMembersHeld();
+  // Receives of the pool not allotted to any member's peer.
+  uint32_t SpareShared(uint32_t allotted) const;
+  // Grows the pool aside (once at a time) when a grant found too few
+  // spare receives.
+  void GrowSharedAside();
   ibv_srq* TakeSharedReceives(uint32_t key, uint32_t receive_bytes,
                               uint32_t first);
   uint32_t AllotShared(uint32_t key, uint32_t want);
@@ -270,6 +284,10 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   uint32_t srq_capacity_ = 0;
   std::vector<std::unique_ptr<SharedChunk>> owned_chunks_;
   std::unique_ptr<std::atomic<SharedChunk*>[]> shared_chunks_;
+  // Where the next chunk goes (its buffers' indexes start at this times
+  // kSharedChunkReceives); under mu_.
+  uint32_t next_chunk_ = 0;
+  std::atomic<bool> growing_aside_{false};
   // Buffers in the pool (grows under mu_), and the receives members'
   // peers are allotted (never more than the pool's buffers); per slot,
   // the member's share, given back when it leaves.
@@ -277,10 +295,14 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   std::atomic<uint32_t> shared_allotted_{0};
   std::unique_ptr<std::atomic<uint32_t>[]> slot_allotted_;
   // Queue pair number to member, for shared receives' completions. Read
-  // and changed only with the group held.
+  // and changed only with the group held; Install queues its entries in
+  // pending_members_ (under mu_, flagged by members_pending_) for the
+  // holder to take, so that it never waits for the group.
   std::unordered_map<uint32_t, Connection*> shared_members_;
-  // Shared receives that could not be posted again (the pool is smaller
-  // by as many buffers as the allotments assume).
+  std::vector<std::pair<uint32_t, Connection*>> pending_members_;
+  std::atomic<bool> members_pending_{false};
+  // Shared receives that could not be posted (again): the pool is
+  // smaller by as many, and allots none against them.
   std::atomic<uint64_t> shared_reposts_failed_{0};
 };
 

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <thread>
 #include <utility>
 
@@ -131,6 +132,33 @@ void RunOnPoster(std::function<void()> task) {
 // Connection::SetLandingWindowsForTesting (0: kLandingWindows).
 std::atomic<uint32_t> landing_windows_for_testing{0};
 
+// How long a closing connection on a shared receive queue waits for its
+// queue pair's last-WQE event before it is destroyed anyway, and how often
+// that happened (Connection::LastSharedReceiveWaitsTimedOut).
+constexpr std::chrono::milliseconds kLastSharedReceiveWait(50);
+std::atomic<uint64_t> last_wqe_waits_timed_out{0};
+
+// Whether a device (by name) reports IBV_EVENT_QP_LAST_WQE_REACHED: known
+// once it did, or once a wait for it ran out (rxe before Linux 6.10 never
+// does; it also keeps a destroyed queue pair's completions in the queue,
+// where the drain after the destroy finds them).
+enum class LastWqeReports { kUnknown, kYes, kNo };
+std::mutex last_wqe_mu;
+std::map<std::string, LastWqeReports>& LastWqeReporters() {
+  static auto* reporters = new std::map<std::string, LastWqeReports>();
+  return *reporters;
+}
+LastWqeReports DeviceReportsLastWqe(const ibv_context* device) {
+  std::lock_guard<std::mutex> lock(last_wqe_mu);
+  auto it = LastWqeReporters().find(device->device->name);
+  return it == LastWqeReporters().end() ? LastWqeReports::kUnknown : it->second;
+}
+void LearnLastWqeReports(const ibv_context* device, LastWqeReports reports) {
+  std::lock_guard<std::mutex> lock(last_wqe_mu);
+  LastWqeReports& known = LastWqeReporters()[device->device->name];
+  if (known != LastWqeReports::kYes) known = reports;
+}
+
 }  // namespace
 
 StatusOr<std::shared_ptr<Connection>> Connection::Create(
@@ -192,6 +220,20 @@ Connection::Connection(ConnectionResources resources,
 }
 
 Connection::~Connection() {
+  // Never finished by an engine (its setup failed): its queue pair's last
+  // completions are drained with the group held before it is destroyed,
+  // so none reaches a later queue pair of the same number, and shared
+  // receives among them go back to the pool.
+  if (res_.srq != nullptr && res_.qp.get() != nullptr &&
+      !finished_.load(std::memory_order_relaxed)) {
+    CompletionGroup* group = res_.group.group();
+    const bool took = group->TakeBlocking();
+    group->DrainHeld();
+    res_.group.Uninstall();
+    res_.qp.Reset();
+    group->DrainHeld();
+    if (took) group->GiveBack();
+  }
   // First: the group's poller must not hand a completion to a connection
   // whose members are going.
   res_.group.Uninstall();
@@ -714,23 +756,28 @@ bool Connection::HandleCompletion(const ibv_wc& wc) {
         // Posted again before its credit can go back to the peer.
         s = res_.srq != nullptr ? res_.group.group()->RepostShared(index)
                                 : PostReceive(index);
-        reposted = s.ok();
-        if (s.ok()) s = window_.OnReceiveReposted();
-        if (s.ok() && wants_credits) GrantCreditsLocked();
-        if (s.ok()) s = PumpLocked();
+        // Tried: a shared buffer that failed is counted out of the pool.
+        reposted = true;
+        // A frame past the peer's allotment breaks the protocol.
+        if (s.ok()) handled = window_.OnReceiveReposted();
+        if (s.ok() && handled.ok()) {
+          if (wants_credits) GrantCreditsLocked();
+          s = PumpLocked();
+        }
       }
     }
+    // A shared buffer not tried here is the group's to post.
+    const bool posted_shared = reposted && res_.srq != nullptr;
     if (!handled.ok()) {
       broke_protocol_.store(true);
       Close(absl::UnavailableError(absl::StrCat(
                 "RDMA connection closed: the peer broke the protocol: ",
                 handled.message())),
             "protocol error");
-      return false;
+      return posted_shared;
     }
     if (!s.ok()) Close(s, "post error");
-    // A shared buffer that could not be posted is the group's to count.
-    return reposted && res_.srq != nullptr;
+    return posted_shared;
   }
   std::function<void(Status)> done;
   Continuations sent;
@@ -1139,8 +1186,52 @@ Status Connection::InjectQueuePairError() {
   return absl::OkStatus();
 }
 
+bool Connection::AwaitLastSharedReceive() {
+  if (res_.srq == nullptr || res_.qp.get() == nullptr ||
+      last_wqe_reached_.load(std::memory_order_acquire)) {
+    return true;
+  }
+  const ibv_context* device = res_.id->verbs;
+  if (last_wqe_wait_began_ == 0 &&
+      DeviceReportsLastWqe(device) == LastWqeReports::kNo) {
+    return true;
+  }
+  const auto now = internal::CoarseSteadyNow().time_since_epoch().count();
+  if (last_wqe_wait_began_ == 0) {
+    // rdma_disconnect moved it to the error state unless the connection
+    // never got that far; either way it must be there for the event.
+    ibv_qp_attr attr{};
+    attr.qp_state = IBV_QPS_ERR;
+    (void)ibv_modify_qp(res_.qp.get(), &attr, IBV_QP_STATE);
+    last_wqe_wait_began_ = now;
+  }
+  if (now - last_wqe_wait_began_ <
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+          kLastSharedReceiveWait)
+          .count()) {
+    return false;
+  }
+  ++last_wqe_waits_timed_out;
+  LearnLastWqeReports(device, LastWqeReports::kNo);
+  return true;
+}
+
+void Connection::NoteLastSharedReceive() {
+  LearnLastWqeReports(res_.id->verbs, LastWqeReports::kYes);
+  last_wqe_reached_.store(true, std::memory_order_release);
+}
+
+uint64_t Connection::LastSharedReceiveWaitsTimedOut() {
+  return last_wqe_waits_timed_out.load();
+}
+
 bool Connection::FinishClose() {
   if (finished_.load(std::memory_order_relaxed)) return true;
+  // A queue pair on a shared receive queue may still complete a receive
+  // it took from the queue; destroying it before would lose that buffer
+  // from the pool (drivers discard the completions of a destroyed queue
+  // pair): wait for the device to say it took its last.
+  if (!AwaitLastSharedReceive()) return false;
   // A waiting caller may be polling the group: the engine comes back on
   // its next pass. What completed before the close still counts: a
   // response that arrived must not be re-sent by the client or reported

@@ -224,6 +224,12 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // only through this connection's windows, never registered for remote
   // write.
   bool shares_domain() const { return res_.own_pd == nullptr; }
+  // The device's IBV_EVENT_QP_LAST_WQE_REACHED for this connection's queue
+  // pair: it takes no more shared receives (Engine's async events).
+  void NoteLastSharedReceive();
+  // Closes that destroyed their queue pair without that event, having
+  // waited for it as long as they wait (process-wide, for tests).
+  static uint64_t LastSharedReceiveWaitsTimedOut();
   // Whether its receives come from its group's shared receive queue, and
   // the buffers of that queue's pool (0 without).
   bool shares_receives() const { return res_.srq != nullptr; }
@@ -509,6 +515,10 @@ class Connection : public std::enable_shared_from_this<Connection>,
   void DropWindowRegion(MemoryRegion mr);
   Status CloseReason() const;
   bool HandleCompletion(const ibv_wc& wc);
+  // FinishClose, on a shared receive queue: false while the queue pair
+  // (moved to the error state) may still take a receive, up to
+  // kLastSharedReceiveWait.
+  bool AwaitLastSharedReceive();
   // The peer asked for more credits: grants what the receives backing
   // them allow (its own, or the group's pool's spare). Requires mu_.
   void GrantCreditsLocked();
@@ -524,6 +534,11 @@ class Connection : public std::enable_shared_from_this<Connection>,
       std::chrono::steady_clock::now().time_since_epoch().count()};
   // Set by FinishClose with the group held.
   std::atomic<bool> finished_{false};
+  // The device reported the queue pair's last shared receive
+  // (IBV_EVENT_QP_LAST_WQE_REACHED), and when FinishClose began to wait
+  // for it (its engine's thread only; 0: not yet).
+  std::atomic<bool> last_wqe_reached_{false};
+  std::chrono::steady_clock::rep last_wqe_wait_began_ = 0;
   std::atomic<uint64_t> caller_polls_found_{0};
 
   mutable std::mutex mu_;

@@ -291,6 +291,10 @@ Engine::AsyncEventHit Engine::MatchLocked(ibv_context* device,
         trigger = "port error event";
         what = absl::StrCat(" (port ", event.element.port_num, ")");
         break;
+      case IBV_EVENT_QP_LAST_WQE_REACHED:
+        // Not a failure: a closing connection may now be torn down.
+        if (c->cm_id()->qp == event.element.qp) c->NoteLastSharedReceive();
+        break;
       case IBV_EVENT_DEVICE_FATAL:
         hit.push_back(c);
         trigger = "device fatal event";

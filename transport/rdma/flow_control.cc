@@ -128,9 +128,9 @@ Status CreditWindow::OnPeerReturned(uint32_t n) {
 
 Status CreditWindow::OnReceiveReposted() {
   if (returnable_ >= own_allotted_) {
-    return absl::InternalError(absl::StrCat("re-posted more receives than the ",
-                                            own_allotted_,
-                                            " the peer can have consumed"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("the peer sent more frames than its ", own_allotted_,
+                     " credits (protocol violation; closing the connection)"));
   }
   ++returnable_;
   return absl::OkStatus();

@@ -106,7 +106,9 @@ class CreditWindow {
   // FAILED_PRECONDITION (a protocol violation: fail the connection) if the
   // grant takes our allotment past peer_receives.
   [[nodiscard]] Status OnPeerReturned(uint32_t n);
-  // We re-posted one receive the peer had consumed.
+  // We re-posted one receive the peer had consumed. FAILED_PRECONDITION
+  // (a protocol violation) if that makes more than the peer's allotment:
+  // it sent a frame without a credit.
   [[nodiscard]] Status OnReceiveReposted();
 
   uint32_t peer_credits() const { return peer_credits_; }

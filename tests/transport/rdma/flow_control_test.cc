@@ -99,8 +99,8 @@ TEST(CreditWindowTest, ReturnsComeBackAtHalfTheAllotmentAsItStands) {
   ASSERT_TRUE(w.OnReceiveReposted().ok());
   EXPECT_TRUE(w.ShouldSendCreditReturn()) << "4 of an allotment of 8";
   for (int i = 0; i < 4; ++i) ASSERT_TRUE(w.OnReceiveReposted().ok());
-  EXPECT_EQ(w.OnReceiveReposted().code(), absl::StatusCode::kInternal)
-      << "more re-posted than the peer was allotted";
+  EXPECT_EQ(w.OnReceiveReposted().code(), absl::StatusCode::kFailedPrecondition)
+      << "more frames than the peer was allotted";
 }
 
 TEST(CreditWindowTest, SettingsThatCouldStallAreRefused) {
@@ -134,7 +134,8 @@ TEST(CreditWindowTest, BookkeepingErrorsAreReported) {
       {.peer_receives = 4, .send_queue_slots = 2, .own_receives = 4});
   EXPECT_EQ(w.OnSendCompleted().code(), absl::StatusCode::kInternal);
   for (int i = 0; i < 4; ++i) ASSERT_TRUE(w.OnReceiveReposted().ok());
-  EXPECT_EQ(w.OnReceiveReposted().code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(w.OnReceiveReposted().code(), absl::StatusCode::kFailedPrecondition)
+      << "a fifth frame on 4 credits";
 }
 
 TEST(CreditWindowTest, ReturnThresholdDefaultsToHalfTheReceives) {
