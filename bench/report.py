@@ -345,6 +345,15 @@ def main():
         if idle.get("rdma") is not None:
             targets.append(("idle server, 32 RDMA connections: < 1% of a "
                             "core", idle["rdma"], idle["rdma"] < 1))
+    pinned = {s: get("idle", s, "pinned_mib").get(32)
+              for s in ("rdma", "rdma-own-receives")}
+    if all(v is not None and v >= 0 for v in pinned.values()):
+        md += ["Pinned memory of both ends with 32 idle RDMA connections "
+               "(VmPin: control buffers and receive pools): "
+               f"{fmt(pinned['rdma'])} MiB with shared receive queues, "
+               f"{fmt(pinned['rdma-own-receives'])} MiB with each "
+               "connection's own receives "
+               f"({fmt(pinned['rdma'] / pinned['rdma-own-receives'])}x).", ""]
     crowd = {m: get("crowded", "rdma-inline", m)
              for m in ("p50", "p99", "cpu_per_million_calls")}
     if crowd["p50"]:

@@ -14,7 +14,8 @@
 //   rpc_bench connections SYSTEM COUNTS...  64 B calls, one in flight on each
 //                                           of COUNT channels: calls/s
 //   rpc_bench idle        SYSTEM COUNTS...  COUNT channels connected, no
-//                                           calls for 5 s: CPU % of a core
+//                                           calls for 5 s: CPU % of a core,
+//                                           and MiB pinned (VmPin)
 //   rpc_bench crowded     SYSTEM COUNTS...  64 B blocking calls on one
 //                                           channel while COUNT others to
 //                                           the same server stay connected
@@ -48,7 +49,9 @@
 // grpc, the same), rdma-inline and grpc-inline (the same with handlers run
 // inline, the server's default), rdma-pollers2-inline (rdma-inline with
 // RDMARPC_RDMA_POLLERS=2: the client's and the server's connections on two
-// engines) or stock
+// engines), rdma-own-receives (rdma with RDMARPC_RDMA_SHARED_RECEIVES=0:
+// each connection posts all its receives, as before shared receive
+// queues) or stock
 // (stock gRPC with grpc_cpp_plugin stubs, message limits raised: stock gRPC
 // refuses messages over 4 MB otherwise). Client and servers run in this process
 // over loopback (RDMA: the local device). CPU seconds are this process's
@@ -62,6 +65,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -356,6 +360,19 @@ double CpuSeconds() {
          (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
 }
 
+// This process's pinned memory (VmPin: registered memory regions), MiB;
+// -1 where the kernel does not say.
+double PinnedMib() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmPin:", 0) == 0) {
+      return std::strtod(line.c_str() + 6, nullptr) / 1024;
+    }
+  }
+  return -1;
+}
+
 double Pct(std::vector<double> v, double p) {
   std::sort(v.begin(), v.end());
   return v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
@@ -474,7 +491,8 @@ int main(int argc, char** argv) {
                  "usage: %s latency|blocking|throughput|pipelined|inflight|"
                  "connections|idle|"
                  "interference|fanout|threshold "
-                 "rdma|grpc|rdma-inline|grpc-inline|rdma-pollers2-inline|stock "
+                 "rdma|grpc|rdma-inline|grpc-inline|rdma-pollers2-inline|"
+                 "rdma-own-receives|stock "
                  "VALUES...\n",
                  argv[0]);
     return 2;
@@ -487,7 +505,7 @@ int main(int argc, char** argv) {
   System sys{g_system, {}, {}};
   if (g_system != "rdma" && g_system != "grpc" && g_system != "stock" &&
       g_system != "rdma-inline" && g_system != "grpc-inline" &&
-      g_system != "rdma-pollers2-inline") {
+      g_system != "rdma-pollers2-inline" && g_system != "rdma-own-receives") {
     Fail("unknown system");
   }
   if (const char* release = std::getenv("RDMARPC_BENCH_RELEASE_MUTEXES");
@@ -497,6 +515,8 @@ int main(int argc, char** argv) {
   // Read when the first connection starts an engine.
   if (g_system == "rdma-pollers2-inline")
     setenv("RDMARPC_RDMA_POLLERS", "2", 1);
+  if (g_system == "rdma-own-receives")
+    setenv("RDMARPC_RDMA_SHARED_RECEIVES", "0", 1);
   if (g_experiment == "latency" || g_experiment == "blocking" ||
       g_experiment == "throughput") {
     auto target = sys.Connect(sys.StartServer(), 0);
@@ -589,6 +609,9 @@ int main(int argc, char** argv) {
       std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
       double cpu = CpuSeconds() - cpu0;
       Row(std::to_string(count), "cpu_percent", cpu / seconds * 100, "%");
+      // Control buffers and receive pools of both ends (no call here
+      // lands a tensor, so no landing memory is registered).
+      Row(std::to_string(count), "pinned_mib", PinnedMib(), "MiB");
     }
   } else if (g_experiment == "crowded") {
     // What other connections cost a busy one when they are there but make
