@@ -245,9 +245,9 @@ class Doctor {
     rlimit limit{};
     getrlimit(RLIMIT_MEMLOCK, &limit);
     const std::string explain = absl::StrCat(
-        "each RDMA connection registers ", Bytes(per_connection),
-        " of control buffers; tensors moved over RDMA register their "
-        "memory too");
+        "each RDMA connection registers up to ", Bytes(per_connection),
+        " of control buffers (less where connections share a receive "
+        "queue); tensors moved over RDMA register their memory too");
     if (HasIpcLock()) {
       out_ << "  not limited: this process has CAP_IPC_LOCK (" << explain
            << ")\n";

@@ -2,10 +2,12 @@
 // counts it returns (transport/rdma/flow_control.h) and the immediates of
 // its writes, which name a grant (grant_table.h). Each input byte is one
 // event on a connection's window or grant table, with the peer's counts and
-// immediates taken from the input. Whatever the peer claims, the window must
-// refuse what it does not owe (an error, not a crash) and never count more
-// credits or slots than exist, and an immediate finds its call only while
-// its grant is open.
+// immediates taken from the input. Both sides start with 4 of 8 receives
+// and grant more. Whatever the peer claims, the window must refuse what it
+// does not owe or may not grant, and frames past the peer's allotment (an
+// error, not a crash), never count more credits or slots than exist, and
+// an immediate finds its call only while its grant is open.
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
@@ -20,8 +22,11 @@ namespace {
 
 using rdmarpc::rdma::CreditWindow;
 
-constexpr CreditWindow::Options kOptions{
-    .peer_receives = 8, .send_queue_slots = 16, .own_receives = 8};
+constexpr CreditWindow::Options kOptions{.peer_receives = 8,
+                                         .peer_first_receives = 4,
+                                         .send_queue_slots = 16,
+                                         .own_receives = 8,
+                                         .own_first_receives = 4};
 
 }  // namespace
 
@@ -53,19 +58,30 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         break;
       }
       case 4:  // a frame from the peer, its preamble returning `arg`
-        // It can only land in a receive we posted.
+        // It can only land in a receive we posted (all 8 are).
         if (owed_receives + window.returnable() >= kOptions.own_receives) break;
         if (!window.OnPeerReturned(arg).ok()) return 0;  // connection fails
         ++owed_receives;
         break;
       case 5:
         if (owed_receives > 0) {
-          if (!window.OnReceiveReposted().ok()) std::abort();
+          // Refused exactly when the peer sent past its allotment.
+          const bool overrun = window.returnable() >= window.own_allotment();
+          if (window.OnReceiveReposted().ok() == overrun) std::abort();
+          if (overrun) return 0;  // connection fails
           --owed_receives;
         }
         break;
       case 6:
-        (void)window.TakeReturnable();
+        if (arg & 1) {
+          const uint32_t wanted = window.GrantWanted();
+          if (wanted > kOptions.own_receives - window.own_allotment()) {
+            std::abort();
+          }
+          window.Grant(std::min<uint32_t>(arg >> 1, wanted));
+        } else {
+          (void)window.TakeReturnable();
+        }
         break;
       default: {
         const uint32_t immediate = arg >> 2;  // 0..7: ids issued first
@@ -96,9 +112,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         }
       }
     }
-    if (window.peer_credits() > kOptions.peer_receives ||
+    if (window.peer_credits() > window.peer_allotment() ||
+        window.peer_allotment() > kOptions.peer_receives ||
         window.free_send_slots() > kOptions.send_queue_slots ||
-        window.returnable() > kOptions.own_receives) {
+        window.returnable() > window.own_allotment() ||
+        window.own_allotment() > kOptions.own_receives) {
       std::abort();
     }
   }
