@@ -114,10 +114,14 @@ thread_local const Connection* polling_here = nullptr;
 // connection's group (Connection::PollTaken), if any.
 thread_local const Connection* polling_for_caller_of = nullptr;
 
+// Never more than the first chunk of send buffers: the frames it leaves
+// unsignaled hold theirs until a later one completes, and that one needs
+// a buffer too, whether or not more chunks could be registered.
 uint32_t SignalInterval(const ConnectionConfig& c) {
-  if (c.signal_interval > 0) return c.signal_interval;
-  return std::max<uint32_t>(
-      1, std::min({16u, c.peer_receives / 2, c.send_queue_slots / 4}));
+  const uint32_t first_sends = FirstSendBuffers(c.peer_receives);
+  if (c.signal_interval > 0) return std::min(c.signal_interval, first_sends);
+  return std::max<uint32_t>(1, std::min({16u, c.peer_receives / 2,
+                                         c.send_queue_slots / 4, first_sends}));
 }
 
 // The poster thread (ConnectionConfig::post_aside_bytes). One for the
@@ -211,9 +215,11 @@ Connection::Connection(ConnectionResources resources,
       posted_(config.send_queue_slots + kWindowWorkRequests),
       signal_interval_(SignalInterval(config)),
       unsignaled_(signal_interval_) {
-  for (uint32_t i = 0; i < config.peer_receives; ++i) {
+  send_buffers_made_ = FirstSendBuffers(config.peer_receives);
+  for (uint32_t i = 0; i < send_buffers_made_; ++i) {
     free_send_buffers_.push_back(static_cast<int>(i));
   }
+  res_.more_sends.reserve(config.peer_receives / kSendChunkBuffers);
   for (uint32_t i = 0; i < config.send_queue_slots + kWindowWorkRequests; ++i) {
     free_posted_.push_back(i);
   }
@@ -323,8 +329,56 @@ Status Connection::Write(const WriteRequest& request,
 }
 
 uint8_t* Connection::SendBuffer(int index) const {
-  return res_.send_buffers.get() +
-         size_t{static_cast<uint32_t>(index)} * config_.peer_receive_bytes;
+  const auto i = static_cast<uint32_t>(index);
+  const size_t offset =
+      size_t{i % kSendChunkBuffers} * config_.peer_receive_bytes;
+  return i < kSendChunkBuffers
+             ? res_.send_buffers.get() + size_t{i} * config_.peer_receive_bytes
+             : res_.more_sends[i / kSendChunkBuffers - 1].bytes.get() + offset;
+}
+
+uint32_t Connection::SendKey(int index) const {
+  const auto i = static_cast<uint32_t>(index);
+  return i < kSendChunkBuffers
+             ? res_.send_mr->lkey
+             : res_.more_sends[i / kSendChunkBuffers - 1].mr->lkey;
+}
+
+void Connection::GrowSendsLocked() {
+  if (growing_sends_ || sends_grow_failed_ ||
+      send_buffers_made_ >= config_.peer_receives) {
+    return;
+  }
+  growing_sends_ = true;
+  const uint32_t count =
+      std::min(kSendChunkBuffers, config_.peer_receives - send_buffers_made_);
+  // Registering is slow (a system call, pinning): never on a poller.
+  RunAside([self = shared_from_this(), count] {
+    const size_t bytes = size_t{count} * self->config_.peer_receive_bytes;
+    SendChunk chunk;
+    chunk.bytes = std::make_unique<uint8_t[]>(bytes);
+    auto mr = RegisterMemory(self->res_.pd, chunk.bytes.get(), bytes, 0);
+    Status pumped;
+    {
+      std::lock_guard<std::mutex> lock(self->mu_);
+      self->growing_sends_ = false;
+      if (!mr.ok()) {
+        // Frames keep to the buffers there are.
+        self->sends_grow_failed_ = true;
+        return;
+      }
+      if (self->closed_.load()) return;
+      chunk.mr = *std::move(mr);
+      self->res_.more_sends.push_back(std::move(chunk));
+      for (uint32_t i = 0; i < count; ++i) {
+        self->free_send_buffers_.push_back(
+            static_cast<int>(self->send_buffers_made_ + i));
+      }
+      self->send_buffers_made_ += count;
+      pumped = self->PumpLocked();
+    }
+    if (!pumped.ok()) self->Close(pumped, "post error");
+  });
 }
 
 Status Connection::PostFrameLocked(PendingFrame& frame, bool credit_only) {
@@ -348,7 +402,7 @@ Status Connection::PostSendBufferLocked(size_t bytes,
   ibv_sge sge{};
   sge.addr = reinterpret_cast<uintptr_t>(dst);
   sge.length = static_cast<uint32_t>(bytes);
-  sge.lkey = res_.send_mr->lkey;
+  sge.lkey = SendKey(buffer);
   ibv_send_wr wr{};
   StatusOr<uint64_t> wr_id = NextWrIdLocked();
   if (!wr_id.ok()) return UnpostedLocked(wr_id.status(), std::move(sent));
@@ -585,6 +639,7 @@ Status Connection::PumpLocked() {
     RDMARPC_RETURN_IF_ERROR(PostFrameLocked(frames_.front(), false));
     frames_.pop_front();
   }
+  if (!frames_.empty() && free_send_buffers_.empty()) GrowSendsLocked();
   while (!writes_.empty()) {
     PendingWrite& w = writes_.front();
     uint64_t remaining = w.request.length - w.offset;
@@ -663,6 +718,11 @@ bool Connection::OnCompletion(const ibv_wc& wc) {
 Connection::Allotments Connection::allotments() {
   std::lock_guard<std::mutex> lock(mu_);
   return {window_.peer_allotment(), window_.own_allotment()};
+}
+
+uint32_t Connection::send_buffers_made() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return send_buffers_made_;
 }
 
 void Connection::GrantCreditsLocked() {

@@ -107,6 +107,20 @@ struct ConnectionConfig {
   uint32_t signal_interval = 0;
 };
 
+// Send buffers come in chunks of this many (up to the peer's receives): the
+// first with the connection, the rest registered aside when frames find
+// none free.
+inline constexpr uint32_t kSendChunkBuffers = kFirstReceives;
+inline uint32_t FirstSendBuffers(uint32_t peer_receives) {
+  return peer_receives < kSendChunkBuffers ? peer_receives : kSendChunkBuffers;
+}
+
+// A chunk of send buffers beyond the first (ConnectionResources).
+struct SendChunk {
+  std::unique_ptr<uint8_t[]> bytes;
+  MemoryRegion mr;
+};
+
 // The verbs objects of one connection, in creation order (so destruction
 // runs in reverse). Built by connection_setup.cc.
 struct ConnectionResources {
@@ -130,7 +144,10 @@ struct ConnectionResources {
   // from it (receive_buffers and receive_mr are then empty).
   ibv_srq* srq = nullptr;
   MemoryRegion receive_mr;
-  MemoryRegion send_mr;
+  MemoryRegion send_mr;  // the first chunk of send buffers (send_buffers)
+  // The other chunks, added by Connection (under its lock) as frames need
+  // them; after the queue pair goes, before the domain.
+  std::vector<SendChunk> more_sends;
   CmQueuePair qp;
 };
 
@@ -244,6 +261,9 @@ class Connection : public std::enable_shared_from_this<Connection>,
     uint32_t peers = 0;
   };
   Allotments allotments();
+  // Tests: the send buffers made so far (a first chunk, then more as
+  // frames found none free, up to the peer's receives).
+  uint32_t send_buffers_made();
   // Why the connection has no windows to grant with (none on the device,
   // or it closed); OK while it has them.
   Status WindowsUnavailable() const;
@@ -438,7 +458,13 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // Posts what the window allows. Requires mu_; an error means the queue
   // pair is broken and the caller closes the connection.
   Status PumpLocked();
+  // No send buffer is free for a frame that waits: registers another
+  // chunk aside (one at a time, up to the peer's receives). Requires mu_.
+  void GrowSendsLocked();
+  // Send buffer `index` (of free_send_buffers_) and its local key.
+  // Require mu_.
   uint8_t* SendBuffer(int index) const;
+  uint32_t SendKey(int index) const;
   // Copies a queued frame into the last free send buffer and posts it.
   Status PostFrameLocked(PendingFrame& frame, bool credit_only);
   // Posts the first `bytes` of the last free send buffer (an encoded frame)
@@ -551,6 +577,12 @@ class Connection : public std::enable_shared_from_this<Connection>,
   std::deque<PendingWrite> writes_;
   std::vector<std::function<void(Status)>> unposted_;  // see UnpostedLocked
   std::vector<int> free_send_buffers_;
+  // Send buffers made so far (FirstSendBuffers, then chunks up to
+  // peer_receives), and whether a chunk is being registered aside (or a
+  // registration failed: no more are tried).
+  uint32_t send_buffers_made_ = 0;
+  bool growing_sends_ = false;
+  bool sends_grow_failed_ = false;
   std::vector<Posted> posted_;         // see TrackPostedLocked
   std::vector<uint32_t> free_posted_;  // slots of posted_ not in use
   // Unsignaled frames not yet known complete: their wr_ids in the order

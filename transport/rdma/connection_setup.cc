@@ -151,8 +151,9 @@ StatusOr<ConnectionResources> BuildResources(SharedEventChannel events, CmId id,
         r.receive_mr, RegisterMemory(r.pd, r.receive_buffers.get(),
                                      receive_total, IBV_ACCESS_LOCAL_WRITE));
   }
-  size_t send_total =
-      size_t{config->peer_receives} * config->peer_receive_bytes;
+  // The first chunk; the connection registers more as frames need them.
+  size_t send_total = size_t{FirstSendBuffers(config->peer_receives)} *
+                      config->peer_receive_bytes;
   r.send_buffers = std::make_unique<uint8_t[]>(send_total);
   RDMARPC_ASSIGN_OR_RETURN(
       r.send_mr, RegisterMemory(r.pd, r.send_buffers.get(), send_total, 0));

@@ -1645,8 +1645,41 @@ TEST_F(ForgedPeerTest, APoolWithoutSpareGrowsForGrants) {
   }
   EXPECT_GT(conns[0]->allotments().ours, kFirstReceives);
   EXPECT_EQ(server_->rdma_stats().protocol_errors, 0u);
+  // The other connections sent one ping each: their first chunk of send
+  // buffers was enough.
+  EXPECT_EQ(conns[1]->send_buffers_made(), rdmarpc::rdma::kSendChunkBuffers);
   for (auto& conn : conns) conn->Close(absl::CancelledError("test done"));
   for (auto& handler : handlers) EXPECT_TRUE(handler->WaitClosed());
+}
+
+// A connection starts with a chunk of send buffers and registers more
+// aside when frames find none free: rounds of pings, more than a chunk at
+// once, until it has (the frames wait meanwhile, and all are answered).
+TEST_F(ForgedPeerTest, SendBuffersGrowWhenFramesFindNoneFree) {
+  using rdmarpc::rdma::FrameType;
+  using rdmarpc::rdma::kSendChunkBuffers;
+  rdmarpc::rdma::HelloResponse hello = Hello();
+  auto handler = std::make_shared<RecordingHandler>();
+  auto conn = Connect(hello, hello.token(), handler);
+  ASSERT_TRUE(conn.ok()) << conn.status();
+  EXPECT_EQ((*conn)->send_buffers_made(), kSendChunkBuffers);
+  rdmarpc::rdma::Ping ping;
+  uint64_t sequence = 0;
+  for (int round = 0;
+       round < 50 && (*conn)->send_buffers_made() == kSendChunkBuffers;
+       ++round) {
+    for (uint32_t i = 0; i < 3 * kSendChunkBuffers; ++i) {
+      ping.set_sequence(++sequence);
+      ASSERT_TRUE((*conn)->SendFrame(FrameType::kPing, &ping).ok());
+    }
+    for (uint32_t i = 0; i < 3 * kSendChunkBuffers; ++i) {
+      ASSERT_EQ(handler->Next().first, FrameType::kPong);
+    }
+  }
+  EXPECT_GT((*conn)->send_buffers_made(), kSendChunkBuffers);
+  EXPECT_LE((*conn)->send_buffers_made(), hello.receives());
+  (*conn)->Close(absl::CancelledError("test done"));
+  EXPECT_TRUE(handler->WaitClosed());
 }
 
 TEST_F(ForgedPeerTest, UnsignaledFramesCompleteOnceFlushed) {
