@@ -225,7 +225,7 @@ void CompletionGroup::Install(uint32_t key, Connection* conn,
   if (shared_qp_num != 0) {
     // The map is the holder's: it takes the entry before its next poll
     // (or when a receive of this queue pair finds none).
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(pending_mu_);
     pending_members_.emplace_back(shared_qp_num, conn);
     members_pending_.store(true, std::memory_order_release);
   }
@@ -233,7 +233,8 @@ void CompletionGroup::Install(uint32_t key, Connection* conn,
 }
 
 void CompletionGroup::TakePendingMembersHeld() {
-  std::lock_guard<std::mutex> lock(mu_);
+  if (installs_held_) return;
+  std::lock_guard<std::mutex> lock(pending_mu_);
   for (const auto& [qp_num, conn] : pending_members_) {
     shared_members_[qp_num] = conn;
   }
@@ -312,6 +313,12 @@ uint32_t CompletionGroup::SpareShared(uint32_t allotted) const {
 }
 
 Status CompletionGroup::GrowSharedLocked() {
+  Status grown = AddSharedChunkLocked();
+  if (!grown.ok()) shared_growth_over_.store(true, std::memory_order_release);
+  return grown;
+}
+
+Status CompletionGroup::AddSharedChunkLocked() {
   if ((next_chunk_ + 1) * kSharedChunkReceives > srq_capacity_) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the shared receive queue holds its ", srq_capacity_, " receives"));
@@ -335,17 +342,13 @@ Status CompletionGroup::GrowSharedLocked() {
 }
 
 void CompletionGroup::GrowSharedAside() {
-  // Full (the capacity is set before the first member is installed).
-  if (shared_total_.load(std::memory_order_acquire) + kSharedChunkReceives >
-      srq_capacity_) {
-    return;
-  }
+  if (shared_growth_over_.load(std::memory_order_acquire)) return;
   if (growing_aside_.exchange(true, std::memory_order_acq_rel)) return;
   RunAside([self = shared_from_this()] {
     {
       std::lock_guard<std::mutex> lock(self->mu_);
       if (!self->closed_.load(std::memory_order_relaxed)) {
-        // Full, or a registration that failed: grants stay as they are.
+        // Full, or a chunk that failed: grants stay as they are.
         (void)self->GrowSharedLocked();
       }
     }
@@ -511,6 +514,12 @@ void CompletionGroup::DispatchShared(const ibv_wc& wc) {
   // otherwise (it failed, closed, or has gone) it goes back here.
   if (it != shared_members_.end() && it->second->OnCompletion(wc)) return;
   (void)RepostShared(index);
+}
+
+void CompletionGroup::DrainAfterDestroyHeld() {
+  installs_held_ = true;
+  DrainHeld();
+  installs_held_ = false;
 }
 
 void CompletionGroup::DrainHeld() {

@@ -203,6 +203,11 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   // Polls until the queue is found empty (a short batch), at most the
   // queue's size. Requires the group held.
   void DrainHeld();
+  // The same right after a member's queue pair was destroyed: installs
+  // queued meanwhile wait, so that a later queue pair with the same number
+  // is not handed the destroyed one's last shared receives (they go back
+  // to the pool).
+  void DrainAfterDestroyHeld();
   // The queue failed (a poll error, a CQ error event): nothing joins any
   // more; the members are closed by whoever saw it.
   void MarkBroken() { broken_.store(true, std::memory_order_release); }
@@ -240,8 +245,11 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   ibv_srq* TakeSharedReceives(uint32_t key, uint32_t receive_bytes,
                               uint32_t first);
   uint32_t AllotShared(uint32_t key, uint32_t want);
-  // Adds a chunk to the pool and posts its receives. Requires mu_.
+  // Adds a chunk to the pool and posts its receives; after a failure (the
+  // queue full, a chunk not registered or not posted) none is added any
+  // more. Requires mu_.
   [[nodiscard]] Status GrowSharedLocked();
+  [[nodiscard]] Status AddSharedChunkLocked();
   [[nodiscard]] Status PostShared(uint32_t index);
   void Leave(uint32_t key, uint32_t entries);
   // Whether this thread holds the group (TryTake).
@@ -299,8 +307,13 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   // pending_members_ (under mu_, flagged by members_pending_) for the
   // holder to take, so that it never waits for the group.
   std::unordered_map<uint32_t, Connection*> shared_members_;
+  std::mutex pending_mu_;  // guards pending_members_
   std::vector<std::pair<uint32_t, Connection*>> pending_members_;
   std::atomic<bool> members_pending_{false};
+  bool installs_held_ = false;  // the holder's: DrainAfterDestroyHeld
+  // No more chunks: the queue is full, or a chunk failed to register or
+  // post.
+  std::atomic<bool> shared_growth_over_{false};
   // Shared receives that could not be posted (again): the pool is
   // smaller by as many, and allots none against them.
   std::atomic<uint64_t> shared_reposts_failed_{0};

@@ -8,7 +8,6 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
-#include <map>
 #include <thread>
 #include <utility>
 
@@ -136,32 +135,12 @@ void RunOnPoster(std::function<void()> task) {
 // Connection::SetLandingWindowsForTesting (0: kLandingWindows).
 std::atomic<uint32_t> landing_windows_for_testing{0};
 
-// How long a closing connection on a shared receive queue waits for its
-// queue pair's last-WQE event before it is destroyed anyway, and how often
-// that happened (Connection::LastSharedReceiveWaitsTimedOut).
+// How long a closing connection on a shared receive queue of a hardware
+// device waits for its queue pair's last-WQE event before it is destroyed
+// anyway, and how often that happened
+// (Connection::LastSharedReceiveWaitsTimedOut).
 constexpr std::chrono::milliseconds kLastSharedReceiveWait(50);
 std::atomic<uint64_t> last_wqe_waits_timed_out{0};
-
-// Whether a device (by name) reports IBV_EVENT_QP_LAST_WQE_REACHED: known
-// once it did, or once a wait for it ran out (rxe before Linux 6.10 never
-// does; it also keeps a destroyed queue pair's completions in the queue,
-// where the drain after the destroy finds them).
-enum class LastWqeReports { kUnknown, kYes, kNo };
-std::mutex last_wqe_mu;
-std::map<std::string, LastWqeReports>& LastWqeReporters() {
-  static auto* reporters = new std::map<std::string, LastWqeReports>();
-  return *reporters;
-}
-LastWqeReports DeviceReportsLastWqe(const ibv_context* device) {
-  std::lock_guard<std::mutex> lock(last_wqe_mu);
-  auto it = LastWqeReporters().find(device->device->name);
-  return it == LastWqeReporters().end() ? LastWqeReports::kUnknown : it->second;
-}
-void LearnLastWqeReports(const ibv_context* device, LastWqeReports reports) {
-  std::lock_guard<std::mutex> lock(last_wqe_mu);
-  LastWqeReports& known = LastWqeReporters()[device->device->name];
-  if (known != LastWqeReports::kYes) known = reports;
-}
 
 }  // namespace
 
@@ -232,12 +211,20 @@ Connection::~Connection() {
   // receives among them go back to the pool.
   if (res_.srq != nullptr && res_.qp.get() != nullptr &&
       !finished_.load(std::memory_order_relaxed)) {
+    // Other members' completions handled here may run callbacks: this
+    // thread must not wait for a call meanwhile.
+    internal::CompletionThreadScope scope;
     CompletionGroup* group = res_.group.group();
     const bool took = group->TakeBlocking();
-    group->DrainHeld();
+    // Uninstalled first: nothing reaches this connection any more, and
+    // the group posts its shared receives' buffers again.
     res_.group.Uninstall();
-    res_.qp.Reset();
+    ibv_qp_attr attr{};
+    attr.qp_state = IBV_QPS_ERR;
+    (void)ibv_modify_qp(res_.qp.get(), &attr, IBV_QP_STATE);
     group->DrainHeld();
+    res_.qp.Reset();
+    group->DrainAfterDestroyHeld();
     if (took) group->GiveBack();
   }
   // First: the group's poller must not hand a completion to a connection
@@ -1251,11 +1238,10 @@ bool Connection::AwaitLastSharedReceive() {
       last_wqe_reached_.load(std::memory_order_acquire)) {
     return true;
   }
-  const ibv_context* device = res_.id->verbs;
-  if (last_wqe_wait_began_ == 0 &&
-      DeviceReportsLastWqe(device) == LastWqeReports::kNo) {
-    return true;
-  }
+  // A software device (rxe, siw) keeps a destroyed queue pair's
+  // completions in the queue, where the drain after the destroy finds
+  // them (and rxe before Linux 6.10 never reports the event).
+  if (IsSoftwareDevice(res_.id->verbs)) return true;
   const auto now = internal::CoarseSteadyNow().time_since_epoch().count();
   if (last_wqe_wait_began_ == 0) {
     // rdma_disconnect moved it to the error state unless the connection
@@ -1272,12 +1258,12 @@ bool Connection::AwaitLastSharedReceive() {
     return false;
   }
   ++last_wqe_waits_timed_out;
-  LearnLastWqeReports(device, LastWqeReports::kNo);
+  // Given up: later passes (a caller held the group) go on at once.
+  last_wqe_reached_.store(true, std::memory_order_release);
   return true;
 }
 
 void Connection::NoteLastSharedReceive() {
-  LearnLastWqeReports(res_.id->verbs, LastWqeReports::kYes);
   last_wqe_reached_.store(true, std::memory_order_release);
 }
 
@@ -1363,7 +1349,7 @@ bool Connection::FinishClose() {
   // is destroyed), so the entries this connection gives back when it
   // leaves the group are free for the next one.
   res_.group.Uninstall();
-  group->DrainHeld();
+  group->DrainAfterDestroyHeld();
   group->GiveBack();
   for (auto& f : pending) f(why);
   std::shared_ptr<Handler> handler = std::move(handler_);

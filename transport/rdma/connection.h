@@ -241,6 +241,8 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // only through this connection's windows, never registered for remote
   // write.
   bool shares_domain() const { return res_.own_pd == nullptr; }
+  // FinishClose has run: the queue pair is gone.
+  bool finished() const { return finished_.load(std::memory_order_relaxed); }
   // The device's IBV_EVENT_QP_LAST_WQE_REACHED for this connection's queue
   // pair: it takes no more shared receives (Engine's async events).
   void NoteLastSharedReceive();
@@ -563,7 +565,7 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // The device reported the queue pair's last shared receive
   // (IBV_EVENT_QP_LAST_WQE_REACHED), and when FinishClose began to wait
   // for it (its engine's thread only; 0: not yet).
-  std::atomic<bool> last_wqe_reached_{false};
+  std::atomic<bool> last_wqe_reached_{false};  // or the wait gave up
   std::chrono::steady_clock::rep last_wqe_wait_began_ = 0;
   std::atomic<uint64_t> caller_polls_found_{0};
 

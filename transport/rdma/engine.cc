@@ -317,7 +317,9 @@ void Engine::ReleaseDevices() {
   std::map<ibv_context*, int> users;
   for (auto it = devices.live.begin(); it != devices.live.end();) {
     auto c = it->lock();
-    if (!c || c->closed()) {
+    // A closed connection not finished yet may wait for its queue pair's
+    // last-WQE event: it keeps its device watched.
+    if (!c || c->finished()) {
       it = devices.live.erase(it);
       continue;
     }
