@@ -126,7 +126,6 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
     // buffers of another size or no room left: the member then posts
     // receives of its own. Before Install.
     ibv_srq* TakeSharedReceives(uint32_t receive_bytes, uint32_t first);
-    bool shared_receives() const { return shared_receives_; }
     // Up to `want` more receives of the pool's spare for this member's
     // peer; the number allotted (0 when the pool has none spare). Requires
     // the group held.
@@ -176,14 +175,11 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   uint8_t* SharedReceiveBuffer(uint32_t index) const;
   [[nodiscard]] Status RepostShared(uint32_t index);
   // Buffers in the pool (posted, or in a member's hands until posted
-  // again), and those backing members' allotments.
+  // again).
   uint32_t shared_receive_buffers() const {
     return shared_total_.load(std::memory_order_acquire) -
            static_cast<uint32_t>(
                shared_reposts_failed_.load(std::memory_order_acquire));
-  }
-  uint32_t shared_receives_allotted() const {
-    return shared_allotted_.load(std::memory_order_acquire);
   }
 
   // Polling, one thread at a time. TryTake: false while another thread

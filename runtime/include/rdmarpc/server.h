@@ -329,7 +329,10 @@ class ServerBuilder {
   // RDMA device with an ACTIVE port; clients are told why not otherwise).
   ServerBuilder& EnableRdma(bool enable);
   // Control receives per RDMA connection (at least 4; default 64): how many
-  // frames a client may have in flight before it waits for credits.
+  // frames a client may have in flight before it waits for credits. A
+  // client starts with 16 of them (or all, if fewer) and is granted the
+  // rest as it runs low, as far as the receives backing them allow (a
+  // shared receive queue's spare; docs/design.md, "Flow control").
   ServerBuilder& SetRdmaReceives(uint32_t receives);
   // Landing memory granted to RDMA requests at once (default 8 GiB). A
   // request that would exceed it is not run over RDMA: the client sends it
