@@ -212,14 +212,6 @@ bool CompletionGroup::TryJoin(uint32_t entries, Membership* member) {
   return true;
 }
 
-bool CompletionGroup::HoldForChange() {
-  if (HeldHere()) return false;
-  while (polling_.exchange(true, std::memory_order_acquire)) {
-    internal::CpuRelax();
-  }
-  return true;
-}
-
 void CompletionGroup::Install(uint32_t key, Connection* conn,
                               uint32_t shared_qp_num) {
   if (shared_qp_num != 0) {
@@ -247,7 +239,7 @@ void CompletionGroup::Uninstall(uint32_t key, uint32_t shared_qp_num) {
   Connection* conn = slot.load(std::memory_order_relaxed);
   if (conn == nullptr) return;
   // With the group held, no completion is being handed to it.
-  const bool took = HoldForChange();
+  const bool took = TakeBlocking();
   slot.store(nullptr, std::memory_order_relaxed);
   if (shared_qp_num != 0) {
     if (members_pending_.load(std::memory_order_acquire)) {
@@ -259,7 +251,7 @@ void CompletionGroup::Uninstall(uint32_t key, uint32_t shared_qp_num) {
       shared_members_.erase(it);
     }
   }
-  if (took) polling_.store(false, std::memory_order_release);
+  if (took) GiveBack();
 }
 
 ibv_srq* CompletionGroup::TakeSharedReceives(uint32_t key,

@@ -189,8 +189,8 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   bool TryTake();
   void GiveBack();
   // Takes the group, waiting for its holder, unless this thread holds it
-  // already; true when it took it (then GiveBack). For tearing down a
-  // member that no engine finished.
+  // already; true when it took it (then GiveBack). For uninstalling a
+  // member, and tearing down one that no engine finished.
   bool TakeBlocking();
   // Polls one batch and hands each completion to its member; the number
   // found. Requires the group held. A failed poll closes every member and
@@ -229,8 +229,6 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   void Uninstall(uint32_t key, uint32_t shared_qp_num);
   void Dispatch(const ibv_wc& wc);
   void DispatchShared(const ibv_wc& wc);
-  // Takes polling_ unless this thread holds the group; true if it did.
-  bool HoldForChange();
   // Applies the shared members Install queued. Requires the group held.
   void TakePendingMembersHeld();
   // Receives of the pool not allotted to any member's peer.
