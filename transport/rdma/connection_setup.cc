@@ -2,7 +2,9 @@
 
 #include <arpa/inet.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
@@ -179,7 +181,13 @@ StatusOr<std::shared_ptr<Connection>> ConnectToServer(
     return absl::InvalidArgumentError(
         absl::StrCat("server's RDMA address '", address, "' is not IPv4"));
   }
-  int ms = static_cast<int>(timeout.count());
+  // One budget for every step: each wait gets what the earlier ones left.
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto left = [deadline] {
+    return std::max(std::chrono::milliseconds(1),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(
+                        deadline - std::chrono::steady_clock::now()));
+  };
   // Fault injection: address resolution fails with the armed errno.
   if (auto err = internal::fault::kEnabled
                      ? internal::fault::Take("rdma.client.resolve_errno")
@@ -188,17 +196,16 @@ StatusOr<std::shared_ptr<Connection>> ConnectToServer(
                       static_cast<int>(*err));
   }
   if (rdma_resolve_addr(id.get(), nullptr, reinterpret_cast<sockaddr*>(&dst),
-                        ms) != 0) {
+                        static_cast<int>(left().count())) != 0) {
     return VerbsError(absl::StrCat("rdma_resolve_addr ", address), errno);
   }
   RDMARPC_RETURN_IF_ERROR(
-      WaitCmEvent(events.get(), RDMA_CM_EVENT_ADDR_RESOLVED, timeout).status());
-  if (rdma_resolve_route(id.get(), ms) != 0) {
+      WaitCmEvent(events.get(), RDMA_CM_EVENT_ADDR_RESOLVED, left()).status());
+  if (rdma_resolve_route(id.get(), static_cast<int>(left().count())) != 0) {
     return VerbsError(absl::StrCat("rdma_resolve_route ", address), errno);
   }
   RDMARPC_RETURN_IF_ERROR(
-      WaitCmEvent(events.get(), RDMA_CM_EVENT_ROUTE_RESOLVED, timeout)
-          .status());
+      WaitCmEvent(events.get(), RDMA_CM_EVENT_ROUTE_RESOLVED, left()).status());
   rdma_event_channel* channel = events.get();
   rdma_cm_id* raw_id = id.get();
   RDMARPC_ASSIGN_OR_RETURN(
@@ -222,11 +229,16 @@ StatusOr<std::shared_ptr<Connection>> ConnectToServer(
   if (rdma_connect(raw_id, &param) != 0) {
     return VerbsError(absl::StrCat("rdma_connect ", address, ":", port), errno);
   }
-  auto established = WaitCmEvent(channel, RDMA_CM_EVENT_ESTABLISHED, timeout);
+  auto established = WaitCmEvent(channel, RDMA_CM_EVENT_ESTABLISHED, left());
   if (!established.ok()) {
-    return absl::UnavailableError(
-        absl::StrCat("RDMA connect to ", address, ":", port,
-                     " failed: ", established.status().message()));
+    // DEADLINE_EXCEEDED stays so: the caller tells a timeout from a refusal.
+    absl::StatusCode code =
+        established.status().code() == absl::StatusCode::kDeadlineExceeded
+            ? absl::StatusCode::kDeadlineExceeded
+            : absl::StatusCode::kUnavailable;
+    return absl::Status(
+        code, absl::StrCat("RDMA connect to ", address, ":", port,
+                           " failed: ", established.status().message()));
   }
   RDMARPC_RETURN_IF_ERROR(Engine::Add(conn));
   return conn;

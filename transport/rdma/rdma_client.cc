@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <utility>
 
@@ -31,6 +32,18 @@ internal::FastConnectResult Failed(absl::string_view why) {
   return {nullptr, absl::UnavailableError(why)};
 }
 
+// The connect timeout covers the handshake and the RDMA connect together;
+// whichever step it runs out in, the error names the option.
+internal::FastConnectResult TimedOut(std::chrono::milliseconds timeout,
+                                     absl::string_view step,
+                                     absl::string_view detail) {
+  return Failed(absl::StrCat(
+      "the RDMA connect did not finish within ", timeout.count(),
+      " ms (ChannelOptions::rdma_connect_timeout; raise it for a slow or "
+      "loaded server): ",
+      step, ": ", detail));
+}
+
 }  // namespace
 
 internal::FastConnectResult RdmaClientTransport::Connect(
@@ -45,12 +58,18 @@ internal::FastConnectResult RdmaClientTransport::Connect(
   HelloRequest hello;
   hello.set_version(kWireVersion);
   hello.set_client_id(hooks.client_id);
-  auto answer = setup->UnaryBytes(kHelloMethod, hello.SerializeAsString(),
-                                  options.rdma_connect_timeout);
+  const auto timeout = options.rdma_connect_timeout;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto answer =
+      setup->UnaryBytes(kHelloMethod, hello.SerializeAsString(), timeout);
   if (!answer.ok()) {
     if (answer.status().code() == StatusCode::kUnimplemented) {
       return NoRdma(
           "the server does not offer RDMA (it has no handshake method)");
+    }
+    if (answer.status().code() == StatusCode::kDeadlineExceeded) {
+      return TimedOut(timeout, "handshake over gRPC",
+                      answer.status().message());
     }
     return Failed(
         absl::StrCat("RDMA handshake failed: ", answer.status().message()));
@@ -77,10 +96,19 @@ internal::FastConnectResult RdmaClientTransport::Connect(
   t->endpoint_ = std::make_shared<ClientEndpoint>(
       std::move(hooks), server->server_instance, threshold,
       options.gpu_rdma_mode, t->description_);
-  auto conn = ConnectToServer(
-      server->cm_address, static_cast<uint16_t>(server->cm_port), server->token,
-      config, t->endpoint_, options.rdma_connect_timeout);
-  if (!conn.ok()) return Failed(conn.status().message());
+  const auto left =
+      std::max(std::chrono::milliseconds(1),
+               std::chrono::duration_cast<std::chrono::milliseconds>(
+                   deadline - std::chrono::steady_clock::now()));
+  auto conn = ConnectToServer(server->cm_address,
+                              static_cast<uint16_t>(server->cm_port),
+                              server->token, config, t->endpoint_, left);
+  if (!conn.ok()) {
+    if (conn.status().code() == StatusCode::kDeadlineExceeded) {
+      return TimedOut(timeout, "RDMA connect", conn.status().message());
+    }
+    return Failed(conn.status().message());
+  }
   t->conn_ = *std::move(conn);
   if (ibv_context* device = t->conn_->cm_id()->verbs) {
     absl::StrAppend(&t->description_, " (", ibv_get_device_name(device->device),

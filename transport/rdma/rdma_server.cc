@@ -64,6 +64,9 @@ std::string RdmaServerTransport::ConnectionLimitReason() const {
 
 StatusOr<std::string> RdmaServerTransport::Hello(const std::string& request) {
   RDMARPC_ASSIGN_OR_RETURN(HelloRequest hello, ParseHelloRequest(request));
+  if (auto delay = internal::fault::Take("rdma.server.hello_delay_ms")) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(*delay));
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (shut_down_) return HelloUnavailable("the server is shutting down");
