@@ -354,6 +354,11 @@ def main():
                f"{fmt(pinned['rdma-own-receives'])} MiB with each "
                "connection's own receives "
                f"({fmt(pinned['rdma'] / pinned['rdma-own-receives'])}x).", ""]
+    landed = get("idle", "rdma", "pinned_mib_landed").get(32)
+    if landed is not None and landed >= 0:
+        md += ["After a 64 KiB echo on each of those channels (landing in "
+               "the landing arena on both ends, registered once per "
+               f"protection domain): {fmt(landed)} MiB pinned.", ""]
     crowd = {m: get("crowded", "rdma-inline", m)
              for m in ("p50", "p99", "cpu_per_million_calls")}
     if crowd["p50"]:

@@ -140,6 +140,7 @@ StatusOr<std::shared_ptr<CompletionGroup>> CompletionGroup::Create(
       group->cq_, CreateCq(device, queue_entries, group->channel_.get()));
   if (SharesDomain(device)) {
     RDMARPC_ASSIGN_OR_RETURN(group->pd_, AllocatePd(device));
+    group->arena_regions_ = std::make_unique<ArenaRegions>(group->pd_.get());
   }
   epoll_event ev{};
   ev.events = EPOLLIN;
@@ -430,6 +431,9 @@ void CompletionGroup::Leave(uint32_t key, uint32_t entries) {
   // shared receives go before the domain.
   srq_.reset();
   owned_chunks_.clear();
+  // The arena's regions here (after a registration running aside ends):
+  // the members' windows over them went with their queue pairs.
+  if (arena_regions_ != nullptr) arena_regions_->Drop(nullptr);
   pd_.reset();
   released_.store(true, std::memory_order_release);
   if (!held) polling_.store(false, std::memory_order_release);

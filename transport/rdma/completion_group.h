@@ -53,6 +53,7 @@
 #include <vector>
 
 #include "rdmarpc/status.h"
+#include "transport/rdma/arena_regions.h"
 #include "transport/rdma/verbs.h"
 
 namespace rdmarpc::rdma {
@@ -168,6 +169,10 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   ibv_cq* cq() const { return cq_.get(); }
   // The domain the members share; null where each has its own.
   ibv_pd* pd() const { return pd_.get(); }
+  // The landing arena's segments registered in that domain, once for all
+  // members; null where each has its own domain. Dropped as the last
+  // member leaves, before the domain.
+  ArenaRegions* arena_regions() const { return arena_regions_.get(); }
 
   // The shared receive pool (see TakeSharedReceives): the buffer with
   // `index` (from a receive's work request id), and posting it again.
@@ -263,6 +268,7 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   CompletionChannel channel_;
   CompletionQueue cq_;
   ProtectionDomain pd_;  // see pd(); goes with the queue
+  std::unique_ptr<ArenaRegions> arena_regions_;  // in pd_, made with it
   // Per slot: the installed connection (its key says whether a
   // completion is its own). Read by the polling thread; cleared with
   // polling_ held, so no completion is being handed to it then.

@@ -1,13 +1,10 @@
 #include "transport/rdma/connection.h"
 
 #include <arpa/inet.h>
-#include <linux/capability.h>
-#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <fstream>
 #include <thread>
 #include <utility>
 
@@ -34,67 +31,6 @@ constexpr int kPostedSlotBits = 16;
 constexpr uint64_t kPostedSlotMask = (uint64_t{1} << kPostedSlotBits) - 1;
 constexpr uint64_t kSequenceMask =
     CompletionGroup::kLocalMask >> kPostedSlotBits;
-
-// The locked-memory limit in bytes, or nullopt when the process may lock
-// any amount (CAP_IPC_LOCK, an unlimited limit).
-std::optional<uint64_t> LockLimit() {
-  static const bool can_lock_any = [] {
-    std::ifstream status("/proc/self/status");
-    std::string line;
-    while (std::getline(status, line)) {
-      if (line.rfind("CapEff:", 0) != 0) continue;
-      uint64_t caps = std::strtoull(line.c_str() + 7, nullptr, 16);
-      return ((caps >> CAP_IPC_LOCK) & 1) != 0;
-    }
-    return false;
-  }();
-  rlimit limit{};
-  if (can_lock_any || getrlimit(RLIMIT_MEMLOCK, &limit) != 0 ||
-      limit.rlim_cur == RLIM_INFINITY) {
-    return std::nullopt;
-  }
-  return limit.rlim_cur;
-}
-
-// Whether pinning the arena on every connection could eat into the
-// locked-memory budget that user and large-call registrations need: the
-// arena is left out below 1 GiB unless the process may lock any amount.
-Status ArenaFitsLockLimit() {
-  const std::optional<uint64_t> limit = LockLimit();
-  if (!limit || *limit >= (uint64_t{1} << 30)) return absl::OkStatus();
-  return absl::UnavailableError(absl::StrCat(
-      "the locked-memory limit is ", *limit >> 20,
-      " MB: the landing arena is left out below 1 GB, so landings are "
-      "registered per call (raise `ulimit -l` to use it)"));
-}
-
-// Bytes of the landing arena pinned over all connections: each
-// registration of a segment counts against the locked-memory limit, though
-// the pages are the same, so together they may take at most half of it
-// and leave the rest to user, send and per-call registrations.
-std::atomic<uint64_t> arena_pinned{0};
-
-Status ReserveArenaPin(uint64_t bytes) {
-  const std::optional<uint64_t> limit = LockLimit();
-  if (!limit) {
-    arena_pinned.fetch_add(bytes);
-    return absl::OkStatus();
-  }
-  uint64_t pinned = arena_pinned.load();
-  do {
-    if (pinned + bytes > *limit / 2) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the landing arena is pinned for ", pinned >> 20,
-          " MB over all connections; one more segment of ", bytes >> 20,
-          " MB would pass half the locked-memory limit of ", *limit >> 20,
-          " MB, so its landings are registered per call here (raise "
-          "`ulimit -l`)"));
-    }
-  } while (!arena_pinned.compare_exchange_weak(pinned, pinned + bytes));
-  return absl::OkStatus();
-}
-
-void ReleaseArenaPin(uint64_t bytes) { arena_pinned.fetch_sub(bytes); }
 
 CreditWindow::Options WindowOptions(const ConnectionConfig& c) {
   return {.peer_receives = c.peer_receives,
@@ -194,6 +130,9 @@ Connection::Connection(ConnectionResources resources,
       posted_(config.send_queue_slots + kWindowWorkRequests),
       signal_interval_(SignalInterval(config)),
       unsignaled_(signal_interval_) {
+  if (res_.own_pd != nullptr) {
+    own_arena_regions_ = std::make_unique<ArenaRegions>(res_.own_pd.get());
+  }
   send_buffers_made_ = FirstSendBuffers(config.peer_receives);
   for (uint32_t i = 0; i < send_buffers_made_; ++i) {
     free_send_buffers_.push_back(static_cast<int>(i));
@@ -231,8 +170,7 @@ Connection::~Connection() {
   // whose members are going.
   res_.group.Uninstall();
   // Regions not handed aside by FinishClose (a connection never added).
-  for (MemoryRegion& mr : arena_mrs_) mr.reset();
-  ReleaseArenaPin(arena_pinned_);
+  if (own_arena_regions_ != nullptr) own_arena_regions_->Drop(nullptr);
 }
 
 Status Connection::PostReceive(uint32_t index) {
@@ -904,18 +842,6 @@ bool Connection::WindowGrant::End(std::function<void(Status)> done) {
   return conn->EndWindow(*this, std::move(done));
 }
 
-bool Connection::StartSegmentLocked(int segment) {
-  if (!segment_unavailable_[segment].ok()) return false;
-  const uint32_t bit = uint32_t{1} << segment;
-  if ((segments_registering_ & bit) == 0) {
-    segments_registering_ |= bit;
-    RunAside([self = shared_from_this(), segment] {
-      self->RegisterArenaSegment(segment);
-    });
-  }
-  return true;
-}
-
 void Connection::TakeWindowsLocked(uint32_t count, WindowGrants* windows) {
   for (uint32_t i = 0; i < count; ++i) {
     WindowGrant& grant = windows->emplace_back();
@@ -996,23 +922,23 @@ Status Connection::BindArenaWindow(WindowGrant& grant, TensorBuffer block) {
           "a landing window bound without a reservation");
     }
     if (closed_.load()) return close_reason_;
-    if (arena_mrs_[segment] == nullptr) {
-      if (!StartSegmentLocked(segment)) return segment_unavailable_[segment];
-    } else {
-      posted = BindWindowLocked(grant, arena_mrs_[segment].get(), block);
-      if (posted.ok()) {
-        grant.block_ = std::move(block);
-        return absl::OkStatus();
-      }
+    // Registered once per protection domain: the group's where this
+    // connection shares its domain, or its own.
+    Status why;
+    ibv_mr* mr =
+        own_arena_regions_ != nullptr
+            ? own_arena_regions_->Find(segment, shared_from_this(), &why)
+            : res_.group.group()->arena_regions()->Find(
+                  segment, res_.group.group()->shared_from_this(), &why);
+    if (mr == nullptr) return why;
+    posted = BindWindowLocked(grant, mr, block);
+    if (posted.ok()) {
+      grant.block_ = std::move(block);
+      return absl::OkStatus();
     }
   }
-  if (!posted.ok()) {
-    Close(posted, "post error");
-    return posted;
-  }
-  return absl::UnavailableError(absl::StrCat(
-      "segment ", segment,
-      " of the landing arena is being registered on this connection"));
+  Close(posted, "post error");
+  return posted;
 }
 
 Status Connection::BindReserved(WindowGrant& grant, TensorBuffer block,
@@ -1094,35 +1020,6 @@ Status Connection::SetUpWindows() {
   }
   for (uint32_t i = 0; i < windows_.size(); ++i) free_windows_.push_back(i);
   return absl::OkStatus();
-}
-
-void Connection::RegisterArenaSegment(int segment) {
-  const LandingArena::Segment memory = LandingArena::Get()->segment(segment);
-  // Under 1 GB of locked memory the arena is left out for good; over the
-  // budget, this grant and the next ones in the segment are registered per
-  // call, and a later one tries again.
-  const Status fits = ArenaFitsLockLimit();
-  const bool reserved = fits.ok() && ReserveArenaPin(memory.size).ok();
-  // Pinned without mu_ held (it takes long for a large segment); the
-  // region is kept under it. The domain outlives it (arena_mrs_ is
-  // declared after res_).
-  StatusOr<MemoryRegion> mr =
-      reserved ? RegisterMemory(res_.pd, memory.base, memory.size,
-                                IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND)
-               : StatusOr<MemoryRegion>(absl::ResourceExhaustedError(""));
-  std::lock_guard<std::mutex> lock(mu_);
-  segments_registering_ &= ~(uint32_t{1} << segment);
-  if (closed_.load() || !mr.ok()) {
-    if (mr.ok()) mr->reset();  // here, on the registration thread
-    if (reserved) ReleaseArenaPin(memory.size);
-    // A device's refusal stands: that segment's blocks are registered per
-    // call on this connection from now on, saying why.
-    if (reserved && !mr.ok()) segment_unavailable_[segment] = mr.status();
-    if (!fits.ok()) segment_unavailable_[segment] = fits;
-    return;
-  }
-  arena_mrs_[segment] = *std::move(mr);
-  arena_pinned_ += memory.size;
 }
 
 Status Connection::PostWindowOpLocked(ibv_send_wr& wr, int window,
@@ -1309,17 +1206,10 @@ bool Connection::FinishClose() {
     DeregisterAside(std::move(window_mrs), shared_from_this());
     windows_unavailable_ = absl::UnavailableError("RDMA connection closed");
     // Unpinning up to the arena's limit takes long: aside, holding this
-    // connection (and so its domain) until then.
-    auto arena_mrs = std::make_shared<std::vector<MemoryRegion>>();
-    for (MemoryRegion& mr : arena_mrs_) {
-      if (mr != nullptr) arena_mrs->push_back(std::move(mr));
-    }
-    if (!arena_mrs->empty()) {
-      RunAside([arena_mrs, pinned = std::exchange(arena_pinned_, 0),
-                self = shared_from_this()] {
-        arena_mrs->clear();
-        ReleaseArenaPin(pinned);
-      });
+    // connection (and so its domain) until then. A shared domain's regions
+    // stay with its group.
+    if (own_arena_regions_ != nullptr) {
+      own_arena_regions_->Drop(shared_from_this());
     }
     // Once the queue pair is gone the device no longer touches any memory
     // the pending work referenced, so the continuations may release it.

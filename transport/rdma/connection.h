@@ -53,6 +53,7 @@
 #include "rdmarpc/status.h"
 #include "runtime/completion.h"
 #include "runtime/transport.h"
+#include "transport/rdma/arena_regions.h"
 #include "transport/rdma/completion_group.h"
 #include "transport/rdma/flow_control.h"
 #include "transport/rdma/landing_arena.h"
@@ -379,9 +380,10 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // Binds the reserved window `grant` over `block` (a block of the landing
   // arena) for remote write; the bind is posted now, so it comes before
   // any frame queued after this returns (the grant that names it). An
-  // error when the arena's segment is not registered here (yet: the first
-  // grant in a segment starts registering it aside; or not at all, with a
-  // locked-memory limit too low for the arena), or the post failed (the
+  // error when the arena's segment is not registered in this connection's
+  // protection domain (yet: the first grant in a segment starts
+  // registering it aside, once per domain, arena_regions.h; or not at all,
+  // with a locked-memory limit too low for the arena), or the post failed (the
   // connection closes): `grant` stays reserved, and the caller grants the
   // block another way (a registration of its own, under that window).
   [[nodiscard]] Status BindArenaWindow(WindowGrant& grant, TensorBuffer block);
@@ -499,10 +501,6 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // Makes this connection's windows (Create): an error (a device without
   // type-2 windows, say) stays in windows_unavailable_.
   Status SetUpWindows();
-  // Registers a segment of the landing arena here (registration thread;
-  // BindArenaWindow starts it when a block of that segment is first
-  // granted).
-  void RegisterArenaSegment(int segment);
   // Posts a bind or invalidation of window `window` (wr.opcode and its
   // fields set); `done` runs as for a frame's `sent`, and `block` and `mr`
   // are held until then (moved from only when the post succeeded).
@@ -511,9 +509,6 @@ class Connection : public std::enable_shared_from_this<Connection>,
   Status PostWindowOpLocked(ibv_send_wr& wr, int window,
                             std::function<void(Status)> done,
                             TensorBuffer&& block = {}, MemoryRegion&& mr = {});
-  // Starts registering arena segment `segment` here (aside) unless it is
-  // already; false when it cannot be (see segment_unavailable_).
-  bool StartSegmentLocked(int segment);
   // Moves `count` free windows, reserved, to `*windows`.
   void TakeWindowsLocked(uint32_t count, WindowGrants* windows);
   // Hands free windows to the waiting grants that they now cover, in
@@ -607,15 +602,13 @@ class Connection : public std::enable_shared_from_this<Connection>,
   const char* close_trigger_ = "";
   Counters counters_;
   // The windows, made with the connection (SetUpWindows), and the landing
-  // arena's registration here, made aside on first use of each segment.
-  // Declared after res_, so they go before the protection domain.
+  // arena's registrations in its own domain, made aside on first use of
+  // each segment. Declared after res_, so they go before the protection
+  // domain.
   Status windows_unavailable_;  // why there are none (OK: windows_ made)
-  // The arena's segments registered here (by index), those being
-  // registered (a bit each) and why one could not be.
-  std::array<MemoryRegion, LandingArena::kMaxSegments> arena_mrs_;
-  uint64_t arena_pinned_ = 0;  // their bytes, counted in the process's budget
-  uint32_t segments_registering_ = 0;
-  std::array<Status, LandingArena::kMaxSegments> segment_unavailable_;
+  // The arena's segments registered in this connection's own domain; null
+  // where it shares its group's (whose regions it uses).
+  std::unique_ptr<ArenaRegions> own_arena_regions_;
   // Registrations a window may still be bound over, kept until
   // FinishClose deallocates the windows (KeepUntilWindowsGoLocked).
   // Declared before windows_, so they go after them.

@@ -24,6 +24,7 @@
 #include "runtime/fault_injection.h"
 #include "runtime/spin.h"
 #include "transport/grpc/grpc_client.h"
+#include "transport/rdma/arena_regions.h"
 #include "transport/rdma/completion_group.h"
 #include "transport/rdma/connection_setup.h"
 #include "transport/rdma/engine.h"
@@ -237,6 +238,23 @@ TEST(RdmaTransport, InlineHandlersServeSentAndWrittenTensors) {
   EXPECT_EQ(service.echo_calls.load(), 66);
 }
 
+// Echoes 70000 bytes (written both ways) until a call makes no landing
+// registration (`registrations` returns the counts of both ends): the
+// landing arena's segment is registered where these calls land (aside,
+// after the first landing there). False when that took over two minutes
+// or an echo failed.
+template <typename Registrations>
+bool EchoUntilLandingsInTheArena(E2E::Stub* stub, Registrations registrations) {
+  const auto give_up =
+      std::chrono::steady_clock::now() + std::chrono::minutes(2);
+  for (uint32_t seed = 1; std::chrono::steady_clock::now() < give_up; ++seed) {
+    const auto before = registrations();
+    if (!EchoOnce(stub, 70000, seed)) return false;
+    if (registrations() == before) return true;
+  }
+  return false;
+}
+
 // Small written tensors land in the pre-registered landing arena, granted
 // through memory windows with no registration of their own, once a
 // connection has registered the arena's segment (aside, after its first
@@ -254,16 +272,8 @@ TEST(RdmaTransport, SmallTensorsLandInTheArenaThroughWindows) {
                           server->rdma_stats().landing_registrations);
   };
   // The segment's registration is work off the engine: wait for it.
-  const auto give_up =
-      std::chrono::steady_clock::now() + std::chrono::minutes(2);
-  uint32_t seed = 1;
-  bool in_arena = false;
-  while (!in_arena && std::chrono::steady_clock::now() < give_up) {
-    const auto before = registrations();
-    ASSERT_TRUE(EchoOnce(stub.get(), 70000, seed++));
-    in_arena = registrations() == before;
-  }
-  ASSERT_TRUE(in_arena) << channel->transport_stats().ToString();
+  ASSERT_TRUE(EchoUntilLandingsInTheArena(stub.get(), registrations))
+      << channel->transport_stats().ToString();
   const uint64_t client_before =
       channel->transport_stats().rdma_landing_windows;
   const uint64_t server_before = server->rdma_stats().landing_windows;
@@ -279,6 +289,51 @@ TEST(RdmaTransport, SmallTensorsLandInTheArenaThroughWindows) {
             64u);
   EXPECT_EQ(server->rdma_stats().landing_windows - server_before, 64u);
   EXPECT_EQ(registrations(), registrations_before);
+}
+
+// Connections that share their group's protection domain share its
+// registration of the landing arena too: once the first connection's
+// landings come from the arena, a new connection's first call lands there
+// through windows on both sides, with no registration of its own, and no
+// segment is registered again.
+TEST(RdmaTransport, ConnectionsOfADomainRegisterTheArenaOnce) {
+  rdmarpc::rdma::Engine::SetPollersForTesting(1);
+  absl::Cleanup pollers_again = [] {
+    rdmarpc::rdma::Engine::SetPollersForTesting(0);
+  };
+  Service service;
+  int port = 0;
+  auto server = StartServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  constexpr int kChannels = 4;
+  std::vector<std::shared_ptr<rdmarpc::Channel>> channels;
+  std::vector<std::unique_ptr<E2E::Stub>> stubs;
+  for (int i = 0; i < kChannels; ++i) {
+    channels.push_back(RdmaChannel(port));
+    stubs.push_back(E2E::NewStub(channels.back()));
+  }
+  auto registrations = [&](int i) {
+    return std::make_pair(
+        channels[i]->transport_stats().rdma_landing_registrations,
+        server->rdma_stats().landing_registrations);
+  };
+  ASSERT_TRUE(EchoUntilLandingsInTheArena(stubs[0].get(), [&] {
+    return registrations(0);
+  })) << channels[0]->transport_stats().ToString();
+  if (server->rdma_stats().connections_in_shared_domains == 0) {
+    GTEST_SKIP() << "connections here have protection domains of their own "
+                    "(no type-2 memory windows, a GPU, or "
+                    "RDMARPC_RDMA_SHARED_DOMAINS=0)";
+  }
+  const uint64_t segments_before = rdmarpc::rdma::ArenaRegions::MadeInProcess();
+  for (int i = 1; i < kChannels; ++i) {
+    const auto before = registrations(i);
+    ASSERT_TRUE(EchoOnce(stubs[i].get(), 70000, static_cast<uint32_t>(i)));
+    EXPECT_EQ(registrations(i), before) << "channel " << i;
+  }
+  EXPECT_EQ(rdmarpc::rdma::ArenaRegions::MadeInProcess(), segments_before);
+  EXPECT_EQ(server->rdma_stats().connections_in_shared_domains,
+            static_cast<uint64_t>(kChannels));
 }
 
 // Landings of 1 MiB and more come from the landing arena too. Here the
