@@ -16,7 +16,10 @@
 // registers the landing for its call instead. Pinned bytes count against a
 // process-wide budget of half the locked-memory limit.
 //
-// Thread-safe; Find on a registered segment takes no lock.
+// Thread-safe, except that Find must not race Drop (the region it returns
+// could be going): a connection calls both under its lock, and a group
+// drops its regions once no member is left to find one. Find on a
+// registered segment takes no lock.
 #ifndef RDMARPC_TRANSPORT_RDMA_ARENA_REGIONS_H_
 #define RDMARPC_TRANSPORT_RDMA_ARENA_REGIONS_H_
 
@@ -55,8 +58,10 @@ class ArenaRegions {
   // No more registrations: those made are handed to the registration
   // thread to drop (unpinning takes long), with `keep` holding the domain
   // until then; with a null `keep` they are dropped here, after a
-  // registration that is running aside finished. A registration that
-  // finishes later is dropped at once. Idempotent.
+  // registration that is running aside finished (the caller stalls for
+  // both: milliseconds per 16 MiB). A registration that finishes later is
+  // dropped at once. Every window bound over them must be gone.
+  // Idempotent.
   void Drop(std::shared_ptr<const void> keep);
 
   // Segments registered here so far (tests).

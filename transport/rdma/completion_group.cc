@@ -432,7 +432,11 @@ void CompletionGroup::Leave(uint32_t key, uint32_t entries) {
   srq_.reset();
   owned_chunks_.clear();
   // The arena's regions here (after a registration running aside ends):
-  // the members' windows over them went with their queue pairs.
+  // the members' windows over them went with their connections. Unpinned
+  // on this thread, which stalls for it (milliseconds per 16 MiB segment,
+  // once per group): handing them aside would need the domain and the
+  // device's context kept past the last member, whose CM id frees a
+  // removed device's context.
   if (arena_regions_ != nullptr) arena_regions_->Drop(nullptr);
   pd_.reset();
   released_.store(true, std::memory_order_release);

@@ -169,8 +169,8 @@ Connection::~Connection() {
   // First: the group's poller must not hand a completion to a connection
   // whose members are going.
   res_.group.Uninstall();
-  // Regions not handed aside by FinishClose (a connection never added).
-  if (own_arena_regions_ != nullptr) own_arena_regions_->Drop(nullptr);
+  // Arena regions FinishClose did not hand aside (a connection never
+  // added) go with own_arena_regions_, after the windows (declared later).
 }
 
 Status Connection::PostReceive(uint32_t index) {

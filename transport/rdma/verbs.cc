@@ -200,8 +200,9 @@ StatusOr<CmEvent> NextCmEvent(rdma_event_channel* events,
   if (rdma_get_cm_event(events, &event) != 0) {
     int err = LastErrno();
     if (err == EAGAIN || err == EWOULDBLOCK) {
-      // Reported, then dropped with its id (CreateEventChannel).
-      return absl::DeadlineExceededError("the CM event went with its id");
+      // Reported, then dropped with its id (CreateEventChannel): no
+      // timeout ran out.
+      return absl::UnavailableError("the CM event went with its id");
     }
     return VerbsError("rdma_get_cm_event", err);
   }
@@ -236,6 +237,16 @@ StatusOr<CmEvent> WaitCmEvent(rdma_event_channel* events,
     rdma_reject(out.id, nullptr, 0);
     rdma_destroy_id(out.id);
     out.id = nullptr;
+  }
+  if (out.type != expected && out.status == -ETIMEDOUT &&
+      (out.type == RDMA_CM_EVENT_ADDR_ERROR ||
+       out.type == RDMA_CM_EVENT_ROUTE_ERROR ||
+       out.type == RDMA_CM_EVENT_UNREACHABLE)) {
+    // The CM's own timeout (the budget's rest, given to the resolve calls,
+    // or its connect retries) ran out: a timeout, not a refusal.
+    return absl::DeadlineExceededError(
+        absl::StrCat("no ", rdma_event_str(expected), ": ",
+                     rdma_event_str(out.type), " (timed out)"));
   }
   if (out.type != expected) {
     std::string detail;

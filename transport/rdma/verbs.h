@@ -161,7 +161,8 @@ struct QpCaps {
 // The next CM event on `events`, which must be `expected`, within `timeout`.
 // The event is acknowledged before returning; what callers need from it is
 // copied out. An unexpected event (REJECTED, ADDR_ERROR, ...) is an error
-// naming it, with the peer's reject status when there is one.
+// naming it, with the peer's reject status when there is one; one the CM's
+// own timeout caused (status -ETIMEDOUT) is DEADLINE_EXCEEDED.
 struct CmEvent {
   rdma_cm_event_type type;
   rdma_cm_id* id = nullptr;  // For CONNECT_REQUEST: the new id (owned by
@@ -171,7 +172,8 @@ struct CmEvent {
   int status = 0;
 };
 // The next CM event of any type within `timeout` (DEADLINE_EXCEEDED if
-// none), acknowledged, with `status` holding the event's status field.
+// none; UNAVAILABLE if one was reported and went with its id),
+// acknowledged, with `status` holding the event's status field.
 // CONNECT_REQUEST ids are the caller's to accept or reject and destroy.
 [[nodiscard]] StatusOr<CmEvent> NextCmEvent(rdma_event_channel* events,
                                             std::chrono::milliseconds timeout);

@@ -13,10 +13,13 @@
 #include <cerrno>
 #include <chrono>
 #include <future>
+#include <initializer_list>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
 #include "e2e_fixture.h"
 #include "runtime/fault_injection.h"
 #include "transport/rdma/connection_setup.h"
@@ -140,19 +143,24 @@ class FallbackTest : public ::testing::Test {
     return true;
   }
 
-  // With `delay_point` armed once to delay a connect step by 1.5 s, a 500 ms
-  // connect timeout degrades the channel, saying so (and naming `step`,
-  // when given), and a probe then gets through.
-  void ExpectConnectTimeoutDegradesOnce(const char* delay_point,
-                                        const char* step) {
-    fault::Arm(delay_point, 1, 1500);
+  // With each of `delays` (a fault point and its milliseconds) armed once
+  // to delay a connect step, a connect timeout of `timeout` degrades the
+  // channel, saying so (and naming `step`, when given), and a probe then
+  // gets through.
+  void ExpectConnectTimeoutDegradesOnce(
+      std::chrono::milliseconds timeout,
+      std::initializer_list<std::pair<const char*, int>> delays,
+      const char* step) {
+    for (const auto& [point, ms] : delays) fault::Arm(point, 1, ms);
     rdmarpc::ChannelOptions options;
-    options.rdma_connect_timeout = 500ms;
+    options.rdma_connect_timeout = timeout;
     auto channel = Channel(options);
     EXPECT_EQ(Echo(channel.get(), 64), rdmarpc::TransportKind::kGrpc);
     rdmarpc::ChannelTransportStats stats = channel->transport_stats();
     EXPECT_EQ(stats.last_trigger, "connect failed");
-    EXPECT_NE(stats.last_error.find("within 500 ms"), std::string::npos)
+    EXPECT_NE(
+        stats.last_error.find(absl::StrCat("within ", timeout.count(), " ms")),
+        std::string::npos)
         << stats.last_error;
     if (step != nullptr) {
       EXPECT_NE(stats.last_error.find(step), std::string::npos)
@@ -208,7 +216,8 @@ TEST_F(FallbackTest, RefusedHandshakeDegradesThenFailsBack) {
 // the handshake before it: the budget is one, and so is the error).
 TEST_F(FallbackTest, ConnectTimeoutDegrades) {
   Start();
-  ExpectConnectTimeoutDegradesOnce("rdma.server.accept_delay_ms", nullptr);
+  ExpectConnectTimeoutDegradesOnce(
+      500ms, {{"rdma.server.accept_delay_ms", 1500}}, nullptr);
 }
 
 // The connect timeout bounds the handshake over gRPC too, with the same
@@ -216,8 +225,19 @@ TEST_F(FallbackTest, ConnectTimeoutDegrades) {
 // a bare "Deadline Exceeded".
 TEST_F(FallbackTest, ConnectTimeoutCoversTheHandshake) {
   Start();
-  ExpectConnectTimeoutDegradesOnce("rdma.server.hello_delay_ms",
-                                   "handshake over gRPC");
+  ExpectConnectTimeoutDegradesOnce(
+      500ms, {{"rdma.server.hello_delay_ms", 1500}}, "handshake over gRPC");
+}
+
+// One budget for both steps: a handshake and an accept late by 1.2 s each
+// (either alone fits in 2 s, with room for the soft-RoCE VM's own connect
+// time) time the connect out in its second step.
+TEST_F(FallbackTest, ConnectTimeoutIsOneBudgetForBothSteps) {
+  Start();
+  ExpectConnectTimeoutDegradesOnce(2000ms,
+                                   {{"rdma.server.hello_delay_ms", 1200},
+                                    {"rdma.server.accept_delay_ms", 1200}},
+                                   nullptr);
 }
 
 TEST_F(FallbackTest, ServerSilentOnRdmaIsDetectedAndTheCallResentOnce) {
