@@ -425,6 +425,7 @@ void CompletionGroup::Leave(uint32_t key, uint32_t entries) {
   }
   // An error only means the fd is gone already.
   (void)epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, channel_->fd, nullptr);
+  AckEventsHeld();  // destroying the queue waits for every ack
   cq_.reset();
   channel_.reset();
   // Every member's queue pair and regions went before its membership; the
@@ -548,10 +549,17 @@ void CompletionGroup::ConsumeEvents() {
   void* context = nullptr;
   // One event per Arm(), and the engine arms once per sleep: one read
   // suffices (epoll reports the fd again if more are queued).
-  if (ibv_get_cq_event(channel_.get(), &cq, &context) == 0) {
-    ibv_ack_cq_events(cq, 1);
+  if (ibv_get_cq_event(channel_.get(), &cq, &context) == 0 &&
+      ++unacked_events_ >= kEventAckBatch) {
+    AckEventsHeld();
   }
   GiveBack();
+}
+
+void CompletionGroup::AckEventsHeld() {
+  if (unacked_events_ == 0) return;
+  ibv_ack_cq_events(cq_.get(), unacked_events_);
+  unacked_events_ = 0;
 }
 
 }  // namespace rdmarpc::rdma

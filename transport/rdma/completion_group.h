@@ -218,9 +218,12 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   // Engine: requests an event for the next completion. False when another
   // thread holds the group (it was not armed: do not sleep on it).
   bool Arm();
-  // Engine: reads and acknowledges the channel's pending event, unless
-  // another thread holds the group (the channel's fd then reports again).
+  // Engine: reads the channel's pending event, unless another thread holds
+  // the group (the channel's fd then reports again). Events are
+  // acknowledged kEventAckBatch at a time (each acknowledgement takes the
+  // queue's mutex in libibverbs), and all before the queue is destroyed.
   void ConsumeEvents();
+  static constexpr uint32_t kEventAckBatch = 64;
 
  private:
   CompletionGroup(Engine* engine, ibv_context* device, bool serves,
@@ -253,6 +256,8 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   void Leave(uint32_t key, uint32_t entries);
   // Whether this thread holds the group (TryTake).
   bool HeldHere() const;
+  // Acknowledges the events read so far. Requires the group held.
+  void AckEventsHeld();
 
   Engine* const engine_;
   ibv_context* const device_;
@@ -267,7 +272,8 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   // Written only with polling_ held (or before the first member joins).
   CompletionChannel channel_;
   CompletionQueue cq_;
-  ProtectionDomain pd_;  // see pd(); goes with the queue
+  uint32_t unacked_events_ = 0;  // read from channel_, not acknowledged
+  ProtectionDomain pd_;          // see pd(); goes with the queue
   std::unique_ptr<ArenaRegions> arena_regions_;  // in pd_, made with it
   // Per slot: the installed connection (its key says whether a
   // completion is its own). Read by the polling thread; cleared with

@@ -206,6 +206,7 @@ void RdmaServerTransport::Shutdown(
   tokens_.Clear();
   if (listener_) listener_->Stop();  // null when Start failed
   auto running = [this] { return shared_->handlers_running == 0; };
+  shared_->shutdown_waits.store(true);  // before the first look
   {
     std::unique_lock<std::mutex> lock(shared_->mu);
     shared_->cv.wait_until(lock, deadline, running);

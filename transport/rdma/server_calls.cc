@@ -476,7 +476,8 @@ void ServerEndpoint::DispatchLocked(uint64_t call_id) {
        [self = shared_from_this(), call_id, state = r.state](
            Status s, std::unique_ptr<Message> response) {
          self->Respond(call_id, state, std::move(s), std::move(response));
-         if (self->shared_->handlers_running.fetch_sub(1) == 1) {
+         if (self->shared_->handlers_running.fetch_sub(1) == 1 &&
+             self->shared_->shutdown_waits.load()) {
            // A shutdown waits for 0 under mu: notified under it too, so it
            // cannot miss this between its look and its wait.
            std::lock_guard<std::mutex> shared_lock(self->shared_->mu);

@@ -42,9 +42,13 @@ namespace rdmarpc::rdma {
 struct ServerShared {
   std::mutex mu;
   std::condition_variable cv;
-  // Counted without mu (a call's start and end take no lock); the last
-  // handler to end notifies cv under mu, for the shutdown that waits for 0.
+  // Counted without mu (a call's start and end take no lock); once a
+  // shutdown waits for 0 (shutdown_waits, set before it looks), the last
+  // handler to end notifies cv under mu. Both sequentially consistent: a
+  // handler that ends as the shutdown begins to wait either sees the flag
+  // or is seen gone.
   std::atomic<int> handlers_running{0};
+  std::atomic<bool> shutdown_waits{false};
   int endpoints_open = 0;
   // Handlers still running for connections that closed (their clients
   // re-send over gRPC): cancelled at the shutdown deadline like the rest.
