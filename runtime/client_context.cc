@@ -1,5 +1,7 @@
 #include "rdmarpc/client_context.h"
 
+#include <thread>
+
 #include "absl/strings/str_cat.h"
 
 namespace rdmarpc {
@@ -28,25 +30,42 @@ std::string CallStats::ToString() const {
 }
 
 void ClientContext::TryCancel() {
+  cancelled_.store(true);
+  // Marked cancelled and counted as a reader in one step: a canceller
+  // attached before it is read here, one attached after is refused.
+  uint32_t before = canceller_state_.load();
+  while (!canceller_state_.compare_exchange_weak(
+      before, (before | kCancelled) + kReader)) {
+  }
   std::shared_ptr<internal::CallCanceller> canceller;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    cancelled_.store(true);
+  if ((before & kAttached) != 0 && (before & kCancelled) == 0) {
     canceller = canceller_;
   }
+  canceller_state_.fetch_sub(kReader);
   if (canceller) canceller->Cancel();
+}
+
+void ClientContext::UnpublishCanceller() {
+  canceller_state_.fetch_and(~kAttached);
+  // A reader holds on only while it copies the pointer.
+  while (canceller_state_.load() >= kReader) std::this_thread::yield();
 }
 
 bool ClientContext::AttachCanceller(
     std::shared_ptr<internal::CallCanceller> canceller) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (cancelled_.load()) return false;
+  UnpublishCanceller();  // a call re-sent may attach again
   canceller_ = std::move(canceller);
+  if ((canceller_state_.fetch_or(kAttached) & kCancelled) != 0) {
+    // Cancelled before: no TryCancel reads it from now on.
+    canceller_state_.fetch_and(~kAttached);
+    canceller_.reset();
+    return false;
+  }
   return true;
 }
 
 void ClientContext::DetachCanceller() {
-  std::lock_guard<std::mutex> lock(mu_);
+  UnpublishCanceller();
   canceller_.reset();
 }
 

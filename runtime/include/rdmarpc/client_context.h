@@ -17,7 +17,6 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -178,6 +177,8 @@ class ClientContext {
   friend class internal::ClientContextAccess;
   bool AttachCanceller(std::shared_ptr<internal::CallCanceller> canceller);
   void DetachCanceller();
+  // Clears kAttached and waits for the cancellers' readers to go.
+  void UnpublishCanceller();
 
   std::optional<std::chrono::system_clock::time_point> deadline_;
   bool wait_for_ready_ = false;
@@ -192,7 +193,16 @@ class ClientContext {
   CallStats stats_;
   std::atomic<bool> cancelled_{false};
   std::atomic<bool> started_{false};
-  std::mutex mu_;
+  // The canceller of the running call, without a lock (a call attaches and
+  // detaches one on its datapath): canceller_ is read only by a TryCancel
+  // that found it attached and not yet cancelled, counted as a reader in
+  // the same step, and is changed only with kAttached clear and no reader
+  // left. So a canceller attached after a TryCancel is refused, and one
+  // attached before is cancelled once.
+  static constexpr uint32_t kAttached = 1;
+  static constexpr uint32_t kCancelled = 2;
+  static constexpr uint32_t kReader = 4;  // readers count in the bits above
+  std::atomic<uint32_t> canceller_state_{0};
   std::shared_ptr<internal::CallCanceller> canceller_;
 };
 
