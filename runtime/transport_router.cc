@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <optional>
 #include <random>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -125,6 +126,7 @@ TransportRouter::~TransportRouter() {
   std::vector<std::shared_ptr<FastTransport>> retired;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    UnpublishFastLocked();
     fast = std::move(fast_);
     retired.swap(retired_);
   }
@@ -168,6 +170,7 @@ void TransportRouter::MarkLostLocked(const Status& why,
                                      const std::string& trigger) {
   // Not destroyed here: this may run on the engine thread, inside the
   // transport's close; the background thread drops it.
+  UnpublishFastLocked();
   retired_.push_back(std::move(fast_));
   health_ = RdmaHealth::kDegraded;
   // A connection that did not last (a path that loses packets lets a probe
@@ -207,6 +210,7 @@ void TransportRouter::Loop() {
       if (connected.transport) {
         fast_ = std::move(connected.transport);
         health_ = RdmaHealth::kReady;
+        PublishFastLocked();
         ready_since_ = std::chrono::steady_clock::now();
       } else {
         reason_ = std::string(connected.error.message());
@@ -277,6 +281,7 @@ void TransportRouter::Loop() {
     }
     fast_ = std::move(connected.transport);
     health_ = RdmaHealth::kReady;
+    PublishFastLocked();
     ready_since_ = std::chrono::steady_clock::now();
     ++counts_.switches;
     reason_.clear();
@@ -375,14 +380,24 @@ void TransportRouter::SendOverFallback(ClientCall call, std::string why) {
   fallback_->Start(std::move(call));
 }
 
+void TransportRouter::UnpublishFastLocked() {
+  fast_state_.fetch_and(~kFastReady);
+  while (fast_state_.load() >= kRouteReader) std::this_thread::yield();
+}
+
 TransportKind TransportRouter::Route(ClientCall call) {
   // Calls that wait for RDMA or go over it complete on other threads, and
   // may be re-sent from those.
   const bool caller_drives = std::exchange(call.caller_drives, false);
   std::shared_ptr<FastTransport> fast;
+  // The common case, ready: no lock (see fast_state_). A transport that
+  // says it is lost goes the locked way, which marks it so.
+  if ((fast_state_.fetch_add(kRouteReader) & kFastReady) != 0) fast = fast_;
+  fast_state_.fetch_sub(kRouteReader);
+  if (fast != nullptr && !fast->health().ok()) fast.reset();
   std::string why;
   bool cancelled = false;
-  {
+  if (fast == nullptr) {
     std::lock_guard<std::mutex> lock(mu_);
     switch (health_) {
       case RdmaHealth::kNotTried:

@@ -111,6 +111,16 @@ class TransportRouter {
   RdmaHealth health_ = RdmaHealth::kNotTried;
   std::string reason_;  // why the fast path is not used (degraded, grpc-only)
   std::shared_ptr<FastTransport> fast_;
+  // Route's way to a ready fast path without mu_: kFastReady is set while
+  // health_ is kReady (fast_ set); a Route counts itself a reader (the bits
+  // above) in the step that looks, and copies fast_ only if it was set.
+  // fast_ changes only after UnpublishFastLocked cleared the bit and
+  // waited for the readers (each holds on only while it copies).
+  static constexpr uint32_t kFastReady = 1;
+  static constexpr uint32_t kRouteReader = 2;
+  std::atomic<uint32_t> fast_state_{0};
+  void PublishFastLocked() { fast_state_.fetch_or(kFastReady); }
+  void UnpublishFastLocked();
   // Lost transports, destroyed by the background thread.
   std::vector<std::shared_ptr<FastTransport>> retired_;
   std::vector<ClientCall> waiting_;  // while kConnecting
