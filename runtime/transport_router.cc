@@ -392,8 +392,16 @@ TransportKind TransportRouter::Route(ClientCall call) {
   std::shared_ptr<FastTransport> fast;
   // The common case, ready: no lock (see fast_state_). A transport that
   // says it is lost goes the locked way, which marks it so.
-  if ((fast_state_.fetch_add(kRouteReader) & kFastReady) != 0) fast = fast_;
-  fast_state_.fetch_sub(kRouteReader);
+  // Counted only while the bit is set, so an unpublish waits only for the
+  // readers already inside.
+  uint32_t state = fast_state_.load();
+  while ((state & kFastReady) != 0 &&
+         !fast_state_.compare_exchange_weak(state, state + kRouteReader)) {
+  }
+  if ((state & kFastReady) != 0) {
+    fast = fast_;
+    fast_state_.fetch_sub(kRouteReader);
+  }
   if (fast != nullptr && !fast->health().ok()) fast.reset();
   std::string why;
   bool cancelled = false;

@@ -113,7 +113,7 @@ class TransportRouter {
   std::shared_ptr<FastTransport> fast_;
   // Route's way to a ready fast path without mu_: kFastReady is set while
   // health_ is kReady (fast_ set); a Route counts itself a reader (the bits
-  // above) in the step that looks, and copies fast_ only if it was set.
+  // above) only while it is set, in one step, and then copies fast_.
   // fast_ changes only after UnpublishFastLocked cleared the bit and
   // waited for the readers (each holds on only while it copies).
   static constexpr uint32_t kFastReady = 1;

@@ -57,46 +57,60 @@ TEST(ClientContextTest, ADetachedCancellerIsNotCancelled) {
   ClientContextAccess::DetachCanceller(&ctx);
 }
 
-// TryCancel racing a call's attach and detach (run under TSan in CI): a
-// canceller the attach refused is never cancelled, one accepted is
-// cancelled at most once, and once both are done the next attach is
-// refused.
+// TryCancel racing a call's attach and detach, round after round on two
+// long-lived threads released together: a stress test for the sanitizer
+// builds (a race on the canceller slot is a TSan report), with what must
+// hold whichever way a round went: a canceller the attach refused is never
+// cancelled, one accepted is cancelled at most once, the context holds
+// none once both are done, and the next attach is refused.
 TEST(ClientContextTest, TryCancelRacingAttachAndDetach) {
-  int accepted_and_cancelled = 0;
-  int refused = 0;
-  for (int i = 0; i < 2000; ++i) {
+  constexpr int kRounds = 10000;
+  struct Round {
     ClientContext ctx;
-    auto canceller = std::make_shared<CountingCanceller>();
-    std::atomic<bool> go{false};
+    std::shared_ptr<CountingCanceller> canceller =
+        std::make_shared<CountingCanceller>();
     bool attached = false;
-    std::thread call([&] {
-      while (!go.load()) {
-      }
-      attached = ClientContextAccess::AttachCanceller(&ctx, canceller);
-      if (attached) ClientContextAccess::DetachCanceller(&ctx);
-    });
-    std::thread cancel([&] {
-      while (!go.load()) {
-      }
-      ctx.TryCancel();
-    });
-    go.store(true);
-    call.join();
-    cancel.join();
-    EXPECT_LE(canceller->cancels.load(), 1);
-    if (!attached) {
-      EXPECT_EQ(canceller->cancels.load(), 0);
-      ++refused;
-    } else if (canceller->cancels.load() == 1) {
-      ++accepted_and_cancelled;
+  };
+  std::unique_ptr<Round> current;
+  std::atomic<int> go{-1};  // the round the threads may run
+  std::atomic<int> done{0};
+  auto wait_for = [](const std::atomic<int>& value, int want) {
+    while (value.load() != want) std::this_thread::yield();
+  };
+  std::thread call([&] {
+    for (int r = 0; r < kRounds; ++r) {
+      wait_for(go, r);
+      Round& x = *current;
+      x.attached = ClientContextAccess::AttachCanceller(&x.ctx, x.canceller);
+      if (x.attached) ClientContextAccess::DetachCanceller(&x.ctx);
+      done.fetch_add(1);
     }
-    EXPECT_FALSE(ClientContextAccess::AttachCanceller(
-        &ctx, std::make_shared<CountingCanceller>()));
-    EXPECT_EQ(canceller.use_count(), 1);
+  });
+  std::thread cancel([&] {
+    for (int r = 0; r < kRounds; ++r) {
+      wait_for(go, r);
+      current->ctx.TryCancel();
+      done.fetch_add(1);
+    }
+  });
+  for (int r = 0; r < kRounds; ++r) {
+    current = std::make_unique<Round>();
+    done.store(0);
+    go.store(r);
+    wait_for(done, 2);
+    Round& x = *current;
+    const int cancels = x.canceller->cancels.load();
+    ASSERT_LE(cancels, 1) << "round " << r;
+    if (!x.attached) {
+      ASSERT_EQ(cancels, 0) << "round " << r;
+    }
+    ASSERT_EQ(x.canceller.use_count(), 1) << "round " << r;
+    ASSERT_FALSE(ClientContextAccess::AttachCanceller(
+        &x.ctx, std::make_shared<CountingCanceller>()))
+        << "round " << r;
   }
-  // Which way each round went depends on the threads' timing.
-  RecordProperty("refused", refused);
-  RecordProperty("accepted_and_cancelled", accepted_and_cancelled);
+  call.join();
+  cancel.join();
 }
 
 }  // namespace
