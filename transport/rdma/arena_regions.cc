@@ -149,7 +149,6 @@ void ArenaRegions::Register(int segment) {
     published_[segment].store(mr->get(), std::memory_order_release);
     mrs_[segment] = *std::move(mr);
     pinned_ += memory.size;
-    registered_.fetch_add(1);
     made_in_process.fetch_add(1);
   }
   running_ = false;

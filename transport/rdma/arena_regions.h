@@ -64,8 +64,6 @@ class ArenaRegions {
   // Idempotent.
   void Drop(std::shared_ptr<const void> keep);
 
-  // Segments registered here so far (tests).
-  int registered() const { return registered_.load(); }
   // Registrations of arena segments made in this process (tests).
   static uint64_t MadeInProcess();
 
@@ -75,7 +73,6 @@ class ArenaRegions {
   ibv_pd* const pd_;
   // Published once registered: read without mu_.
   std::array<std::atomic<ibv_mr*>, LandingArena::kMaxSegments> published_{};
-  std::atomic<int> registered_{0};
   std::mutex mu_;
   std::condition_variable registered_cv_;  // a running registration ended
   std::array<MemoryRegion, LandingArena::kMaxSegments> mrs_;
