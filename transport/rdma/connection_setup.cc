@@ -171,7 +171,7 @@ StatusOr<ConnectionResources> BuildResources(SharedEventChannel events, CmId id,
 StatusOr<std::shared_ptr<Connection>> ConnectToServer(
     const std::string& address, uint16_t port, const std::string& token,
     ConnectionConfig config, std::shared_ptr<Connection::Handler> handler,
-    std::chrono::milliseconds timeout) {
+    std::chrono::steady_clock::time_point deadline) {
   RDMARPC_ASSIGN_OR_RETURN(EventChannel events, CreateEventChannel());
   RDMARPC_ASSIGN_OR_RETURN(CmId id, CreateCmId(events.get()));
   sockaddr_in dst{};
@@ -182,7 +182,6 @@ StatusOr<std::shared_ptr<Connection>> ConnectToServer(
         absl::StrCat("server's RDMA address '", address, "' is not IPv4"));
   }
   // One budget for every step: each wait gets what the earlier ones left.
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto left = [deadline] {
     return std::max(std::chrono::milliseconds(1),
                     std::chrono::duration_cast<std::chrono::milliseconds>(

@@ -5,7 +5,8 @@
 //   RDMARPC_ASSIGN_OR_RETURN(
 //       std::shared_ptr<Connection> conn,
 //       ConnectToServer("198.18.0.1", 41000, token, config, handler,
-//                       std::chrono::seconds(5)));
+//                       std::chrono::steady_clock::now() +
+//                           std::chrono::seconds(5)));
 #ifndef RDMARPC_TRANSPORT_RDMA_CONNECTION_SETUP_H_
 #define RDMARPC_TRANSPORT_RDMA_CONNECTION_SETUP_H_
 
@@ -65,12 +66,13 @@ std::string EncodeConnectData(const ConnectData& data);
 void SetSharedDomainsForTesting(bool shared);
 
 // The client side: resolves `address`:`port`, builds the connection, sends
-// the connect request with `token` and waits for ESTABLISHED. The returned
-// connection is already added to the engine.
+// the connect request with `token` and waits for ESTABLISHED, every step
+// within what is left until `deadline` (DEADLINE_EXCEEDED past it). The
+// returned connection is already added to the engine.
 [[nodiscard]] StatusOr<std::shared_ptr<Connection>> ConnectToServer(
     const std::string& address, uint16_t port, const std::string& token,
     ConnectionConfig config, std::shared_ptr<Connection::Handler> handler,
-    std::chrono::milliseconds timeout);
+    std::chrono::steady_clock::time_point deadline);
 
 }  // namespace rdmarpc::rdma
 

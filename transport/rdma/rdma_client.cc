@@ -96,13 +96,9 @@ internal::FastConnectResult RdmaClientTransport::Connect(
   t->endpoint_ = std::make_shared<ClientEndpoint>(
       std::move(hooks), server->server_instance, threshold,
       options.gpu_rdma_mode, t->description_);
-  const auto left =
-      std::max(std::chrono::milliseconds(1),
-               std::chrono::duration_cast<std::chrono::milliseconds>(
-                   deadline - std::chrono::steady_clock::now()));
   auto conn = ConnectToServer(server->cm_address,
                               static_cast<uint16_t>(server->cm_port),
-                              server->token, config, t->endpoint_, left);
+                              server->token, config, t->endpoint_, deadline);
   if (!conn.ok()) {
     if (conn.status().code() == StatusCode::kDeadlineExceeded) {
       return TimedOut(timeout, "RDMA connect", conn.status().message());

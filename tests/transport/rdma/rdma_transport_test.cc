@@ -1320,7 +1320,8 @@ class ForgedPeerTest : public ::testing::Test {
     config.peer_receive_bytes = hello.receive_bytes();
     return rdmarpc::rdma::ConnectToServer(
         hello.cm_address(), static_cast<uint16_t>(hello.cm_port()), token,
-        config, std::move(handler), std::chrono::seconds(5));
+        config, std::move(handler),
+        std::chrono::steady_clock::now() + std::chrono::seconds(5));
   }
 
   // Sends Echo request `id` whose 4096-byte tensor is to be written
