@@ -303,6 +303,9 @@ run idle "$bin/rpc_bench" idle rdma 32
 # The same with each connection posting all its receives (no shared
 # receive queue): what the shared queues save in pinned memory.
 run idle "$bin/rpc_bench" idle rdma-own-receives 32
+# And with each connection registering its first send buffers at once (no
+# buffers lent by its group): what the send pools save.
+run idle "$bin/rpc_bench" idle rdma-own-sends 32
 # A busy connection beside 32 idle ones to the same server: what the idle
 # ones cost each pass of the pollers (an engine's connections on a device
 # share one completion queue), timed and in instructions per call (the

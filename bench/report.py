@@ -346,14 +346,21 @@ def main():
             targets.append(("idle server, 32 RDMA connections: < 1% of a "
                             "core", idle["rdma"], idle["rdma"] < 1))
     pinned = {s: get("idle", s, "pinned_mib").get(32)
-              for s in ("rdma", "rdma-own-receives")}
-    if all(v is not None and v >= 0 for v in pinned.values()):
+              for s in ("rdma", "rdma-own-receives", "rdma-own-sends")}
+    if all(pinned[s] is not None and pinned[s] >= 0
+           for s in ("rdma", "rdma-own-receives")):
         md += ["Pinned memory of both ends with 32 idle RDMA connections "
                "(VmPin: control buffers and receive pools): "
                f"{fmt(pinned['rdma'])} MiB with shared receive queues, "
                f"{fmt(pinned['rdma-own-receives'])} MiB with each "
                "connection's own receives "
                f"({fmt(pinned['rdma'] / pinned['rdma-own-receives'])}x).", ""]
+    if (pinned["rdma"] is not None and pinned["rdma-own-sends"] is not None
+            and pinned["rdma-own-sends"] > 0):
+        md += ["With send buffers lent by each completion group's pool, "
+               f"{fmt(pinned['rdma'])} MiB; with each connection's own "
+               f"first chunk, {fmt(pinned['rdma-own-sends'])} MiB "
+               f"({fmt(pinned['rdma'] / pinned['rdma-own-sends'])}x).", ""]
     landed = get("idle", "rdma", "pinned_mib_landed").get(32)
     if landed is not None and landed >= 0:
         md += ["After a 64 KiB echo on each of those channels (landing in "

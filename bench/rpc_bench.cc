@@ -53,7 +53,9 @@
 // RDMARPC_RDMA_POLLERS=2: the client's and the server's connections on two
 // engines), rdma-own-receives (rdma with RDMARPC_RDMA_SHARED_RECEIVES=0:
 // each connection posts all its receives, as before shared receive
-// queues) or stock
+// queues), rdma-own-sends (rdma with RDMARPC_RDMA_SEND_POOL_BUFFERS=0: each
+// connection registers its first send buffers at once, as before send
+// pools) or stock
 // (stock gRPC with grpc_cpp_plugin stubs, message limits raised: stock gRPC
 // refuses messages over 4 MB otherwise). Client and servers run in this process
 // over loopback (RDMA: the local device). CPU seconds are this process's
@@ -494,7 +496,7 @@ int main(int argc, char** argv) {
                  "connections|idle|"
                  "interference|fanout|threshold "
                  "rdma|grpc|rdma-inline|grpc-inline|rdma-pollers2-inline|"
-                 "rdma-own-receives|stock "
+                 "rdma-own-receives|rdma-own-sends|stock "
                  "VALUES...\n",
                  argv[0]);
     return 2;
@@ -507,7 +509,8 @@ int main(int argc, char** argv) {
   System sys{g_system, {}, {}};
   if (g_system != "rdma" && g_system != "grpc" && g_system != "stock" &&
       g_system != "rdma-inline" && g_system != "grpc-inline" &&
-      g_system != "rdma-pollers2-inline" && g_system != "rdma-own-receives") {
+      g_system != "rdma-pollers2-inline" && g_system != "rdma-own-receives" &&
+      g_system != "rdma-own-sends") {
     Fail("unknown system");
   }
   if (const char* release = std::getenv("RDMARPC_BENCH_RELEASE_MUTEXES");
@@ -519,6 +522,8 @@ int main(int argc, char** argv) {
     setenv("RDMARPC_RDMA_POLLERS", "2", 1);
   if (g_system == "rdma-own-receives")
     setenv("RDMARPC_RDMA_SHARED_RECEIVES", "0", 1);
+  if (g_system == "rdma-own-sends")
+    setenv("RDMARPC_RDMA_SEND_POOL_BUFFERS", "0", 1);
   if (g_experiment == "latency" || g_experiment == "blocking" ||
       g_experiment == "throughput") {
     auto target = sys.Connect(sys.StartServer(), 0);

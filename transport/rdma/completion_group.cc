@@ -95,6 +95,10 @@ uint32_t CompletionGroup::Membership::AllotShared(uint32_t want) {
   return group_->AllotShared(key_, want);
 }
 
+SendPool* CompletionGroup::Membership::TakeSendPool(uint32_t frame_bytes) {
+  return group_->TakeSendPool(frame_bytes);
+}
+
 void CompletionGroup::Membership::Leave() {
   if (group_ == nullptr) return;
   group_->Uninstall(key_, qp_num_);
@@ -253,6 +257,25 @@ void CompletionGroup::Uninstall(uint32_t key, uint32_t shared_qp_num) {
     }
   }
   if (took) GiveBack();
+}
+
+SendPool* CompletionGroup::TakeSendPool(uint32_t frame_bytes) {
+  if (pd_ == nullptr) return nullptr;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_.load(std::memory_order_relaxed)) return nullptr;
+  if (!send_pool_tried_) {
+    send_pool_tried_ = true;
+    const uint32_t buffers = SendPool::BuffersFromEnvironment();
+    if (buffers == 0) return nullptr;
+    // A member whose peer takes larger frames registers its own.
+    auto pool = SendPool::Create(pd_.get(), buffers, frame_bytes);
+    if (!pool.ok()) return nullptr;
+    send_pool_ = *std::move(pool);
+  }
+  if (send_pool_ == nullptr || frame_bytes > send_pool_->buffer_bytes()) {
+    return nullptr;
+  }
+  return send_pool_.get();
 }
 
 ibv_srq* CompletionGroup::TakeSharedReceives(uint32_t key,
@@ -432,6 +455,7 @@ void CompletionGroup::Leave(uint32_t key, uint32_t entries) {
   // shared receives go before the domain.
   srq_.reset();
   owned_chunks_.clear();
+  send_pool_.reset();  // the members' queue pairs went before
   // The arena's regions here (after a registration running aside ends):
   // the members' windows over them went with their connections. Unpinned
   // on this thread, which stalls for it (milliseconds per 16 MiB segment,

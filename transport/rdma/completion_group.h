@@ -54,6 +54,7 @@
 
 #include "rdmarpc/status.h"
 #include "transport/rdma/arena_regions.h"
+#include "transport/rdma/send_pool.h"
 #include "transport/rdma/verbs.h"
 
 namespace rdmarpc::rdma {
@@ -131,6 +132,12 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
     // peer; the number allotted (0 when the pool has none spare). Requires
     // the group held.
     uint32_t AllotShared(uint32_t want);
+    // The send buffers the group lends its members (send_pool.h), made
+    // with the first member that asks, for frames of up to `frame_bytes`.
+    // Null where the members share no domain, the pool is off
+    // (RDMARPC_RDMA_SEND_POOL_BUFFERS=0), its buffers are smaller, or it
+    // could not be registered: the member then registers its own.
+    SendPool* TakeSendPool(uint32_t frame_bytes);
 
    private:
     friend class CompletionGroup;
@@ -244,6 +251,7 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   // Grows the pool aside (once at a time) when a grant found too few
   // spare receives.
   void GrowSharedAside();
+  SendPool* TakeSendPool(uint32_t frame_bytes);
   ibv_srq* TakeSharedReceives(uint32_t key, uint32_t receive_bytes,
                               uint32_t first);
   uint32_t AllotShared(uint32_t key, uint32_t want);
@@ -275,6 +283,10 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   uint32_t unacked_events_ = 0;  // read from channel_, not acknowledged
   ProtectionDomain pd_;          // see pd(); goes with the queue
   std::unique_ptr<ArenaRegions> arena_regions_;  // in pd_, made with it
+  // In pd_, made under mu_ by the first TakeSendPool, which hands it out
+  // under mu_; never replaced, and goes with the queue.
+  std::unique_ptr<SendPool> send_pool_;
+  bool send_pool_tried_ = false;
   // Per slot: the installed connection (its key says whether a
   // completion is its own). Read by the polling thread; cleared with
   // polling_ held, so no completion is being handed to it then.

@@ -133,9 +133,12 @@ Connection::Connection(ConnectionResources resources,
   if (res_.own_pd != nullptr) {
     own_arena_regions_ = std::make_unique<ArenaRegions>(res_.own_pd.get());
   }
-  send_buffers_made_ = FirstSendBuffers(config.peer_receives);
-  for (uint32_t i = 0; i < send_buffers_made_; ++i) {
-    free_send_buffers_.push_back(static_cast<int>(i));
+  // Borrowing from the group's pool, it makes its own later (or never).
+  if (res_.send_pool == nullptr) {
+    send_buffers_made_ = FirstSendBuffers(config.peer_receives);
+    for (uint32_t i = 0; i < send_buffers_made_; ++i) {
+      free_send_buffers_.push_back(static_cast<int>(i));
+    }
   }
   res_.more_sends.reserve(config.peer_receives / kSendChunkBuffers);
   for (uint32_t i = 0; i < config.send_queue_slots + kWindowWorkRequests; ++i) {
@@ -169,6 +172,10 @@ Connection::~Connection() {
   // First: the group's poller must not hand a completion to a connection
   // whose members are going.
   res_.group.Uninstall();
+  if (res_.send_pool != nullptr) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ReturnBorrowedLocked();
+  }
   // Arena regions FinishClose did not hand aside (a connection never
   // added) go with own_arena_regions_, after the windows (declared later).
 }
@@ -208,8 +215,10 @@ Status Connection::SendFrame(
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_.load()) return close_reason_;
+    // Credits first: a frame that waits for them holds no borrowed buffer.
     if (frames_.empty() && res_.qp.get() != nullptr &&
-        !free_send_buffers_.empty() && window_.TryTakeForData()) {
+        window_.CanTakeForData() && SendBufferReadyLocked() &&
+        window_.TryTakeForData()) {
       // The common case: encoded straight into a registered send buffer.
       uint8_t* dst = SendBuffer(free_send_buffers_.back());
       RDMARPC_ASSIGN_OR_RETURN(
@@ -254,6 +263,9 @@ Status Connection::Write(const WriteRequest& request,
 }
 
 uint8_t* Connection::SendBuffer(int index) const {
+  if ((index & kBorrowedBuffer) != 0) {
+    return res_.send_pool->buffer(index & ~kBorrowedBuffer);
+  }
   const auto i = static_cast<uint32_t>(index);
   const size_t offset =
       size_t{i % kSendChunkBuffers} * config_.peer_receive_bytes;
@@ -263,10 +275,49 @@ uint8_t* Connection::SendBuffer(int index) const {
 }
 
 uint32_t Connection::SendKey(int index) const {
+  if ((index & kBorrowedBuffer) != 0) return res_.send_pool->lkey();
   const auto i = static_cast<uint32_t>(index);
   return i < kSendChunkBuffers
              ? res_.send_mr->lkey
              : res_.more_sends[i / kSendChunkBuffers - 1].mr->lkey;
+}
+
+bool Connection::SendBufferReadyLocked() {
+  if (!free_send_buffers_.empty()) return true;
+  // Borrowed only while none of our own are made: once they are, frames
+  // wait for them (or for more of them) as without a pool.
+  if (res_.send_pool == nullptr || send_buffers_made_ > 0) return false;
+  const int lent = res_.send_pool->Take();
+  if (lent < 0) return false;
+  free_send_buffers_.push_back(lent | kBorrowedBuffer);
+  return true;
+}
+
+void Connection::ReleaseSendBufferLocked(int index) {
+  if ((index & kBorrowedBuffer) != 0) {
+    res_.send_pool->Give(index & ~kBorrowedBuffer);
+  } else {
+    free_send_buffers_.push_back(index);
+  }
+}
+
+void Connection::ReturnBorrowedLocked() {
+  std::erase_if(free_send_buffers_, [this](int index) {
+    if ((index & kBorrowedBuffer) == 0) return false;
+    res_.send_pool->Give(index & ~kBorrowedBuffer);
+    return true;
+  });
+  // Those of frames still posted only once the device can no longer read
+  // them (a connection destroyed with its queue pair keeps them from the
+  // pool: it never posted a frame).
+  if (res_.qp.get() != nullptr) return;
+  for (Posted& posted : posted_) {
+    if (posted.send_buffer >= 0 &&
+        (posted.send_buffer & kBorrowedBuffer) != 0) {
+      res_.send_pool->Give(posted.send_buffer & ~kBorrowedBuffer);
+      posted.send_buffer = -1;
+    }
+  }
 }
 
 void Connection::GrowSendsLocked() {
@@ -288,19 +339,29 @@ void Connection::GrowSendsLocked() {
       std::lock_guard<std::mutex> lock(self->mu_);
       self->growing_sends_ = false;
       if (!mr.ok()) {
-        // Frames keep to the buffers there are.
+        // Frames keep to the buffers there are (PumpLocked gives up on a
+        // connection left with none).
         self->sends_grow_failed_ = true;
-        return;
+        if (!self->closed_.load()) pumped = self->PumpLocked();
+      } else {
+        if (self->closed_.load()) return;
+        if (self->send_buffers_made_ == 0) {
+          // The first chunk of its own: the pool lent until now, and gets
+          // back a buffer borrowed but not used yet.
+          self->res_.send_buffers = std::move(chunk.bytes);
+          self->res_.send_mr = *std::move(mr);
+          self->ReturnBorrowedLocked();
+        } else {
+          chunk.mr = *std::move(mr);
+          self->res_.more_sends.push_back(std::move(chunk));
+        }
+        for (uint32_t i = 0; i < count; ++i) {
+          self->free_send_buffers_.push_back(
+              static_cast<int>(self->send_buffers_made_ + i));
+        }
+        self->send_buffers_made_ += count;
+        pumped = self->PumpLocked();
       }
-      if (self->closed_.load()) return;
-      chunk.mr = *std::move(mr);
-      self->res_.more_sends.push_back(std::move(chunk));
-      for (uint32_t i = 0; i < count; ++i) {
-        self->free_send_buffers_.push_back(
-            static_cast<int>(self->send_buffers_made_ + i));
-      }
-      self->send_buffers_made_ += count;
-      pumped = self->PumpLocked();
     }
     if (!pumped.ok()) self->Close(pumped, "post error");
   });
@@ -335,8 +396,10 @@ Status Connection::PostSendBufferLocked(size_t bytes,
   wr.sg_list = &sge;
   wr.num_sge = 1;
   wr.opcode = IBV_WR_SEND;
-  // Another thread's `sent` would wait for a flush nobody is bound to make.
-  const bool signaled = (sent != nullptr && polling_here != this) ||
+  // Another thread's `sent` would wait for a flush nobody is bound to make;
+  // a borrowed buffer goes back to the pool with its own completion.
+  const bool borrowed = (buffer & kBorrowedBuffer) != 0;
+  const bool signaled = (sent != nullptr && polling_here != this) || borrowed ||
                         unsignaled_count_ + 1 >= signal_interval_;
   wr.send_flags = signaled ? IBV_SEND_SIGNALED : 0;
   ibv_send_wr* bad = nullptr;
@@ -348,6 +411,11 @@ Status Connection::PostSendBufferLocked(size_t bytes,
   free_send_buffers_.pop_back();
   RDMARPC_RETURN_IF_ERROR(
       TrackPostedLocked(wr.wr_id, buffer, std::move(sent), signaled));
+  // Busy enough for buffers of its own (registered aside; it borrows
+  // meanwhile).
+  if (borrowed && ++borrowed_frames_ == kBorrowedFramesBeforeOwn) {
+    GrowSendsLocked();
+  }
   ++counters_.frames_sent;
   if (!signaled) ++counters_.frames_unsignaled;
   if (credit_only) ++counters_.credit_frames_sent;
@@ -403,7 +471,7 @@ void Connection::ReleaseUnsignaledLocked(uint64_t seq, uint32_t* completed,
     if (posted != nullptr) {
       if (posted->seq > seq) return;
       if (posted->send_buffer >= 0) {
-        free_send_buffers_.push_back(posted->send_buffer);
+        ReleaseSendBufferLocked(posted->send_buffer);
       }
       if (posted->done) sent->push_back(std::move(posted->done));
       ForgetPostedLocked(posted);
@@ -559,12 +627,17 @@ Status Connection::PumpLocked() {
   if (res_.qp.get() == nullptr) return absl::OkStatus();
   // A send buffer comes back with its frame's completion, which for an
   // unsignaled frame may come after the peer returned its receive.
-  while (!frames_.empty() && !free_send_buffers_.empty() &&
-         window_.TryTakeForData()) {
+  // Credits first: a frame that waits for them holds no borrowed buffer.
+  bool wants_buffer = false;
+  while (!frames_.empty() && window_.CanTakeForData()) {
+    if (!SendBufferReadyLocked()) {
+      wants_buffer = true;
+      break;
+    }
+    if (!window_.TryTakeForData()) break;
     RDMARPC_RETURN_IF_ERROR(PostFrameLocked(frames_.front(), false));
     frames_.pop_front();
   }
-  if (!frames_.empty() && free_send_buffers_.empty()) GrowSendsLocked();
   while (!writes_.empty()) {
     PendingWrite& w = writes_.front();
     uint64_t remaining = w.request.length - w.offset;
@@ -576,14 +649,31 @@ Status Connection::PumpLocked() {
     RDMARPC_RETURN_IF_ERROR(PostWritePieceLocked(w, &finished));
     if (finished) writes_.pop_front();
   }
-  if (window_.ShouldSendCreditReturn() && !free_send_buffers_.empty() &&
-      window_.TryTakeForCreditReturn()) {
-    PendingFrame credit;
-    credit.bytes.resize(kPreambleBytes);
-    RDMARPC_RETURN_IF_ERROR(EncodeFrame(FrameType::kCredit, 0, nullptr, {},
-                                        std::span<uint8_t>(credit.bytes))
-                                .status());
-    RDMARPC_RETURN_IF_ERROR(PostFrameLocked(credit, true));
+  if (window_.ShouldSendCreditReturn() && window_.CanTakeForCreditReturn()) {
+    if (!SendBufferReadyLocked()) {
+      // Our own come back with completions that pump again; the pool's
+      // come back to no one in particular.
+      if (send_buffers_made_ == 0) wants_buffer = true;
+    } else if (window_.TryTakeForCreditReturn()) {
+      PendingFrame credit;
+      credit.bytes.resize(kPreambleBytes);
+      RDMARPC_RETURN_IF_ERROR(EncodeFrame(FrameType::kCredit, 0, nullptr, {},
+                                          std::span<uint8_t>(credit.bytes))
+                                  .status());
+      RDMARPC_RETURN_IF_ERROR(PostFrameLocked(credit, true));
+    }
+  }
+  if (wants_buffer) {
+    // None of our own and none can be made, and nothing of ours in flight
+    // whose completion would pump again (a frame of another connection
+    // giving a buffer back to the pool does not): the frames would wait
+    // for good. Closing sends the calls over gRPC.
+    if (sends_grow_failed_ && send_buffers_made_ == 0 && posted_count_ == 0) {
+      return absl::ResourceExhaustedError(
+          "no send buffer: the group's pool has none free and this "
+          "connection could not register its own");
+    }
+    GrowSendsLocked();
   }
   return absl::OkStatus();
 }
@@ -645,6 +735,11 @@ Connection::Allotments Connection::allotments() {
   return {window_.peer_allotment(), window_.own_allotment()};
 }
 
+uint64_t Connection::borrowed_frames() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return borrowed_frames_;
+}
+
 uint32_t Connection::send_buffers_made() {
   std::lock_guard<std::mutex> lock(mu_);
   return send_buffers_made_;
@@ -679,6 +774,13 @@ bool Connection::HandleCompletion(const ibv_wc& wc) {
         std::lock_guard<std::mutex> lock(mu_);
         if (Posted* posted = FindPostedLocked(wc.wr_id)) {
           done = std::move(posted->done);
+          // Completed, if in error: the device no longer reads its buffer,
+          // so a borrowed one goes back (ours stay with the closing
+          // connection).
+          if (posted->send_buffer >= 0 &&
+              (posted->send_buffer & kBorrowedBuffer) != 0) {
+            ReleaseSendBufferLocked(posted->send_buffer);
+          }
           // An invalidation that failed may leave its window bound.
           if (posted->window_mr != nullptr) {
             KeepUntilWindowsGoLocked(std::move(posted->window_mr));
@@ -775,7 +877,7 @@ bool Connection::HandleCompletion(const ibv_wc& wc) {
     Posted* posted = FindPostedLocked(wc.wr_id);
     if (posted == nullptr) return false;
     if (posted->send_buffer >= 0) {
-      free_send_buffers_.push_back(posted->send_buffer);
+      ReleaseSendBufferLocked(posted->send_buffer);
     }
     done = std::move(posted->done);
     uint32_t completed = posted->window_op ? 0 : 1;
@@ -1217,6 +1319,7 @@ bool Connection::FinishClose() {
       std::lock_guard<std::mutex> post_lock(post_mu_);
       res_.qp.Reset();
     }
+    if (res_.send_pool != nullptr) ReturnBorrowedLocked();
     for (Posted& posted : posted_) {
       if (posted.done) pending.push_back(std::move(posted.done));
       posted = Posted{};

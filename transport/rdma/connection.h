@@ -57,6 +57,7 @@
 #include "transport/rdma/completion_group.h"
 #include "transport/rdma/flow_control.h"
 #include "transport/rdma/landing_arena.h"
+#include "transport/rdma/send_pool.h"
 #include "transport/rdma/verbs.h"
 #include "transport/rdma/wire.h"
 
@@ -110,8 +111,13 @@ struct ConnectionConfig {
 
 // Send buffers come in chunks of this many (up to the peer's receives): the
 // first with the connection, the rest registered aside when frames find
-// none free.
+// none free. Where the connection's group lends send buffers (send_pool.h),
+// frames borrow them (each signaled, so it comes back when sent) and the
+// first chunk is registered aside once kBorrowedFramesBeforeOwn frames
+// went through the pool, or a frame found it empty: a connection that
+// sends little holds no send buffers of its own.
 inline constexpr uint32_t kSendChunkBuffers = kFirstReceives;
+inline constexpr uint64_t kBorrowedFramesBeforeOwn = 256;
 inline uint32_t FirstSendBuffers(uint32_t peer_receives) {
   return peer_receives < kSendChunkBuffers ? peer_receives : kSendChunkBuffers;
 }
@@ -145,7 +151,12 @@ struct ConnectionResources {
   // from it (receive_buffers and receive_mr are then empty).
   ibv_srq* srq = nullptr;
   MemoryRegion receive_mr;
-  MemoryRegion send_mr;  // the first chunk of send buffers (send_buffers)
+  // The group's send buffers that frames borrow until the connection has
+  // its own (send_pool.h); null where the group lends none.
+  SendPool* send_pool = nullptr;
+  // The first chunk of send buffers (send_buffers): made here where no
+  // pool lends, else by the connection once it needs its own.
+  MemoryRegion send_mr;
   // The other chunks, added by Connection (under its lock) as frames need
   // them; after the queue pair goes, before the domain.
   std::vector<SendChunk> more_sends;
@@ -265,8 +276,12 @@ class Connection : public std::enable_shared_from_this<Connection>,
   };
   Allotments allotments();
   // Tests: the send buffers made so far (a first chunk, then more as
-  // frames found none free, up to the peer's receives).
+  // frames found none free, up to the peer's receives), and the frames
+  // sent in buffers borrowed from the group's pool.
   uint32_t send_buffers_made();
+  uint64_t borrowed_frames();
+  // The group's send pool this connection borrows from, or null.
+  SendPool* send_pool() const { return res_.send_pool; }
   // Why the connection has no windows to grant with (none on the device,
   // or it closed); OK while it has them.
   Status WindowsUnavailable() const;
@@ -466,9 +481,20 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // chunk aside (one at a time, up to the peer's receives). Requires mu_.
   void GrowSendsLocked();
   // Send buffer `index` (of free_send_buffers_) and its local key.
-  // Require mu_.
+  // Require mu_. An index with kBorrowedBuffer set is the pool's.
+  static constexpr int kBorrowedBuffer = 1 << 30;
   uint8_t* SendBuffer(int index) const;
   uint32_t SendKey(int index) const;
+  // Whether a send buffer is free for a frame: one of ours, else one
+  // borrowed from the group's pool while we have none of our own.
+  // Requires mu_.
+  bool SendBufferReadyLocked();
+  // A frame's send buffer is free again: ours to reuse, or the pool's.
+  // Requires mu_, and that the device no longer reads it.
+  void ReleaseSendBufferLocked(int index);
+  // Borrowed buffers not posted go back to the pool, and, once the queue
+  // pair is gone, those of posted frames too. Requires mu_.
+  void ReturnBorrowedLocked();
   // Copies a queued frame into the last free send buffer and posts it.
   Status PostFrameLocked(PendingFrame& frame, bool credit_only);
   // Posts the first `bytes` of the last free send buffer (an encoded frame)
@@ -578,6 +604,7 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // peer_receives), and whether a chunk is being registered aside (or a
   // registration failed: no more are tried).
   uint32_t send_buffers_made_ = 0;
+  uint64_t borrowed_frames_ = 0;
   bool growing_sends_ = false;
   bool sends_grow_failed_ = false;
   std::vector<Posted> posted_;         // see TrackPostedLocked

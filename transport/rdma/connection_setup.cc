@@ -25,6 +25,8 @@ constexpr uint64_t kPostAsideBytes = 64 << 10;
 
 // SetSharedDomainsForTesting.
 std::atomic<bool> shared_domains_for_testing{true};
+// SetSendPoolsForTesting.
+std::atomic<bool> send_pools_for_testing{true};
 
 void PutU32(std::string* out, size_t at, uint32_t v) {
   for (int i = 0; i < 4; ++i) (*out)[at + i] = static_cast<char>(v >> (8 * i));
@@ -43,6 +45,8 @@ uint32_t GetU32(std::string_view in, size_t at) {
 void SetSharedDomainsForTesting(bool shared) {
   shared_domains_for_testing.store(shared);
 }
+
+void SetSendPoolsForTesting(bool lend) { send_pools_for_testing.store(lend); }
 
 std::string EncodeConnectData(const ConnectData& data) {
   std::string out(kConnectDataBytes, '\0');
@@ -153,12 +157,19 @@ StatusOr<ConnectionResources> BuildResources(SharedEventChannel events, CmId id,
         r.receive_mr, RegisterMemory(r.pd, r.receive_buffers.get(),
                                      receive_total, IBV_ACCESS_LOCAL_WRITE));
   }
-  // The first chunk; the connection registers more as frames need them.
-  size_t send_total = size_t{FirstSendBuffers(config->peer_receives)} *
-                      config->peer_receive_bytes;
-  r.send_buffers = std::make_unique<uint8_t[]>(send_total);
-  RDMARPC_ASSIGN_OR_RETURN(
-      r.send_mr, RegisterMemory(r.pd, r.send_buffers.get(), send_total, 0));
+  // Frames borrow the group's send buffers to begin with where it lends
+  // them; otherwise the first chunk is the connection's own. Either way
+  // the connection registers more as frames need them.
+  if (r.own_pd == nullptr && send_pools_for_testing.load()) {
+    r.send_pool = r.group.TakeSendPool(config->peer_receive_bytes);
+  }
+  if (r.send_pool == nullptr) {
+    size_t send_total = size_t{FirstSendBuffers(config->peer_receives)} *
+                        config->peer_receive_bytes;
+    r.send_buffers = std::make_unique<uint8_t[]>(send_total);
+    RDMARPC_ASSIGN_OR_RETURN(
+        r.send_mr, RegisterMemory(r.pd, r.send_buffers.get(), send_total, 0));
+  }
   QpCaps caps;
   caps.max_send_wr = config->send_queue_slots + kWindowWorkRequests;
   caps.max_recv_wr = config->receives;

@@ -64,6 +64,10 @@ std::string EncodeConnectData(const ConnectData& data);
 // of their own whatever their group offers (so that they may register
 // landing memory for remote write).
 void SetSharedDomainsForTesting(bool shared);
+// Tests: connections built while this is false register their first send
+// buffers at once instead of borrowing their group's (so that their frames
+// go unsignaled from the first).
+void SetSendPoolsForTesting(bool lend);
 
 // The client side: resolves `address`:`port`, builds the connection, sends
 // the connect request with `token` and waits for ESTABLISHED, every step

@@ -53,14 +53,14 @@ Status CreditWindow::Validate(const Options& options) {
 }
 
 bool CreditWindow::TryTakeForData() {
-  if (peer_credits_ < 2 || free_slots_ == 0) return false;
+  if (!CanTakeForData()) return false;
   --peer_credits_;
   --free_slots_;
   return true;
 }
 
 bool CreditWindow::TryTakeForCreditReturn() {
-  if (returnable_ == 0 || peer_credits_ == 0 || free_slots_ == 0) return false;
+  if (!CanTakeForCreditReturn()) return false;
   --peer_credits_;
   --free_slots_;
   return true;

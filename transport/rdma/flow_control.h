@@ -82,6 +82,11 @@ class CreditWindow {
   [[nodiscard]] bool TryTakeForCreditReturn();
   // A WRITE without immediate consumes no receive: one send slot.
   [[nodiscard]] bool TryTakeSendSlot();
+  // Whether TryTakeForData / TryTakeForCreditReturn would succeed now.
+  bool CanTakeForData() const { return peer_credits_ >= 2 && free_slots_ > 0; }
+  bool CanTakeForCreditReturn() const {
+    return returnable_ > 0 && peer_credits_ > 0 && free_slots_ > 0;
+  }
 
   // The count to put in the next frame's preamble; resets it.
   uint32_t TakeReturnable();

@@ -30,6 +30,7 @@
 #include "transport/rdma/engine.h"
 #include "transport/rdma/landing_arena.h"
 #include "transport/rdma/rdma_client.h"
+#include "transport/rdma/send_pool.h"
 #include "transport/rdma/verbs.h"
 #include "transport/rdma/wire.h"
 
@@ -1324,6 +1325,24 @@ class ForgedPeerTest : public ::testing::Test {
         std::chrono::steady_clock::now() + std::chrono::seconds(5));
   }
 
+  // `count` more connections, each with a handler of its own; false (with
+  // the failure reported) if one could not connect.
+  bool ConnectMany(
+      int count, std::vector<std::shared_ptr<RecordingHandler>>* handlers,
+      std::vector<std::shared_ptr<rdmarpc::rdma::Connection>>* conns) {
+    for (int i = 0; i < count; ++i) {
+      rdmarpc::rdma::HelloResponse hello = Hello();
+      handlers->push_back(std::make_shared<RecordingHandler>());
+      auto conn = Connect(hello, hello.token(), handlers->back());
+      if (!conn.ok()) {
+        ADD_FAILURE() << conn.status();
+        return false;
+      }
+      conns->push_back(*conn);
+    }
+    return true;
+  }
+
   // Sends Echo request `id` whose 4096-byte tensor is to be written
   // (fail_code 1: answered with a checksum, nothing written back) and
   // returns the server's grant for it.
@@ -1677,13 +1696,7 @@ TEST_F(ForgedPeerTest, APoolWithoutSpareGrowsForGrants) {
   };
   std::vector<std::shared_ptr<RecordingHandler>> handlers;
   std::vector<std::shared_ptr<rdmarpc::rdma::Connection>> conns;
-  for (int i = 0; i < 4; ++i) {
-    rdmarpc::rdma::HelloResponse hello = Hello();
-    handlers.push_back(std::make_shared<RecordingHandler>());
-    auto conn = Connect(hello, hello.token(), handlers.back());
-    ASSERT_TRUE(conn.ok()) << conn.status();
-    conns.push_back(*conn);
-  }
+  ASSERT_TRUE(ConnectMany(4, &handlers, &conns));
   if (server_->rdma_stats().connections_with_shared_receives != 4) {
     GTEST_SKIP() << "the server's connections have receives of their own";
   }
@@ -1701,16 +1714,19 @@ TEST_F(ForgedPeerTest, APoolWithoutSpareGrowsForGrants) {
   }
   EXPECT_GT(conns[0]->allotments().ours, kFirstReceives);
   EXPECT_EQ(server_->rdma_stats().protocol_errors, 0u);
-  // The other connections sent one ping each: their first chunk of send
-  // buffers was enough.
-  EXPECT_EQ(conns[1]->send_buffers_made(), rdmarpc::rdma::kSendChunkBuffers);
+  // The other connections sent one ping each: the buffers their group
+  // lends, or their first chunk where it lends none, were enough.
+  EXPECT_EQ(
+      conns[1]->send_buffers_made(),
+      conns[1]->send_pool() != nullptr ? 0u : rdmarpc::rdma::kSendChunkBuffers);
   for (auto& conn : conns) conn->Close(absl::CancelledError("test done"));
   for (auto& handler : handlers) EXPECT_TRUE(handler->WaitClosed());
 }
 
-// A connection starts with a chunk of send buffers and registers more
-// aside when frames find none free: rounds of pings, more than a chunk at
-// once, until it has (the frames wait meanwhile, and all are answered).
+// A connection starts with a chunk of send buffers (or borrows its
+// group's) and registers more aside when frames find none free: rounds of
+// pings, more than a chunk at once, until it has more than a chunk of its
+// own (the frames wait meanwhile, and all are answered).
 TEST_F(ForgedPeerTest, SendBuffersGrowWhenFramesFindNoneFree) {
   using rdmarpc::rdma::FrameType;
   using rdmarpc::rdma::kSendChunkBuffers;
@@ -1718,11 +1734,12 @@ TEST_F(ForgedPeerTest, SendBuffersGrowWhenFramesFindNoneFree) {
   auto handler = std::make_shared<RecordingHandler>();
   auto conn = Connect(hello, hello.token(), handler);
   ASSERT_TRUE(conn.ok()) << conn.status();
-  EXPECT_EQ((*conn)->send_buffers_made(), kSendChunkBuffers);
+  EXPECT_EQ((*conn)->send_buffers_made(),
+            (*conn)->send_pool() != nullptr ? 0u : kSendChunkBuffers);
   rdmarpc::rdma::Ping ping;
   uint64_t sequence = 0;
   for (int round = 0;
-       round < 50 && (*conn)->send_buffers_made() == kSendChunkBuffers;
+       round < 50 && (*conn)->send_buffers_made() <= kSendChunkBuffers;
        ++round) {
     for (uint32_t i = 0; i < 3 * kSendChunkBuffers; ++i) {
       ping.set_sequence(++sequence);
@@ -1738,7 +1755,104 @@ TEST_F(ForgedPeerTest, SendBuffersGrowWhenFramesFindNoneFree) {
   EXPECT_TRUE(handler->WaitClosed());
 }
 
+// Connections of one group that send little borrow its send buffers and
+// register none of their own: each borrowed frame is signaled, so every
+// buffer is back in the pool once the frames completed. A connection that
+// sent kBorrowedFramesBeforeOwn frames through the pool registers its own
+// chunk and borrows no more.
+TEST_F(ForgedPeerTest, QuietConnectionsBorrowTheirGroupsSendBuffers) {
+  using rdmarpc::rdma::FrameType;
+  using rdmarpc::rdma::kBorrowedFramesBeforeOwn;
+  using rdmarpc::rdma::kSendChunkBuffers;
+  rdmarpc::rdma::Engine::SetPollersForTesting(1);
+  absl::Cleanup pollers_again = [] {
+    rdmarpc::rdma::Engine::SetPollersForTesting(0);
+  };
+  constexpr int kConnections = 4;
+  std::vector<std::shared_ptr<RecordingHandler>> handlers;
+  std::vector<std::shared_ptr<rdmarpc::rdma::Connection>> conns;
+  ASSERT_TRUE(ConnectMany(kConnections, &handlers, &conns));
+  absl::Cleanup close_all = [&] {
+    for (auto& conn : conns) conn->Close(absl::CancelledError("test done"));
+    for (auto& handler : handlers) EXPECT_TRUE(handler->WaitClosed());
+  };
+  rdmarpc::rdma::SendPool* pool = conns[0]->send_pool();
+  if (pool == nullptr) {
+    GTEST_SKIP() << "these connections have protection domains of their own "
+                    "(or RDMARPC_RDMA_SEND_POOL_BUFFERS=0)";
+  }
+  rdmarpc::rdma::Ping ping;
+  uint64_t sequence = 0;
+  // Pings in rounds of `count`, each round answered before the next.
+  auto pings = [&](int i, uint64_t count) {
+    for (uint64_t sent = 0; sent < count;) {
+      const uint64_t round = std::min<uint64_t>(8, count - sent);
+      for (uint64_t k = 0; k < round; ++k) {
+        ping.set_sequence(++sequence);
+        if (!conns[i]->SendFrame(FrameType::kPing, &ping).ok()) return false;
+      }
+      for (uint64_t k = 0; k < round; ++k) {
+        if (handlers[i]->Next().first != FrameType::kPong) return false;
+      }
+      sent += round;
+    }
+    return true;
+  };
+  // Send completions may come after the pongs: wait for the count.
+  auto all_back = [&] {
+    const auto give_up =
+        std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (pool->free_buffers() != pool->buffers() &&
+           std::chrono::steady_clock::now() < give_up) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return pool->free_buffers() == pool->buffers();
+  };
+  for (int i = 0; i < kConnections; ++i) {
+    EXPECT_EQ(conns[i]->send_pool(), pool) << "connection " << i;
+    ASSERT_TRUE(pings(i, 5)) << "connection " << i;
+    EXPECT_EQ(conns[i]->send_buffers_made(), 0u) << "connection " << i;
+    EXPECT_GE(conns[i]->borrowed_frames(), 5u) << "connection " << i;
+  }
+  EXPECT_TRUE(all_back()) << pool->free_buffers() << " of " << pool->buffers();
+  // One gets busy: its own chunk is registered aside, then it borrows no
+  // more.
+  ASSERT_TRUE(pings(0, kBorrowedFramesBeforeOwn));
+  const auto give_up =
+      std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (conns[0]->send_buffers_made() == 0 &&
+         std::chrono::steady_clock::now() < give_up) {
+    ASSERT_TRUE(pings(0, 1));
+  }
+  EXPECT_GE(conns[0]->send_buffers_made(), kSendChunkBuffers);
+  const uint64_t borrowed = conns[0]->borrowed_frames();
+  EXPECT_GE(borrowed, kBorrowedFramesBeforeOwn);
+  ASSERT_TRUE(pings(0, 2 * kSendChunkBuffers));
+  EXPECT_EQ(conns[0]->borrowed_frames(), borrowed);
+  EXPECT_EQ(conns[1]->send_buffers_made(), 0u);
+  EXPECT_TRUE(all_back()) << pool->free_buffers() << " of " << pool->buffers();
+  // A connection that fails with borrowed frames in flight gives them back
+  // too (their error completions, or its close once its queue pair is
+  // gone); the others keep the group, and so the pool, alive.
+  for (int k = 0; k < 8; ++k) {
+    ping.set_sequence(++sequence);
+    ASSERT_TRUE(conns[2]->SendFrame(FrameType::kPing, &ping).ok());
+  }
+  ASSERT_TRUE(conns[2]->InjectQueuePairError().ok());
+  // A frame posted now completes in error if none did, which closes it.
+  ping.set_sequence(++sequence);
+  (void)conns[2]->SendFrame(FrameType::kPing, &ping);
+  EXPECT_TRUE(handlers[2]->WaitClosed());
+  EXPECT_TRUE(all_back()) << pool->free_buffers() << " of " << pool->buffers();
+  EXPECT_EQ(conns[2]->send_buffers_made(), 0u);
+}
+
 TEST_F(ForgedPeerTest, UnsignaledFramesCompleteOnceFlushed) {
+  // Frames in buffers borrowed from a group's pool are all signaled.
+  rdmarpc::rdma::SetSendPoolsForTesting(false);
+  absl::Cleanup lend_again = [] {
+    rdmarpc::rdma::SetSendPoolsForTesting(true);
+  };
   rdmarpc::rdma::HelloResponse hello = Hello();
   auto handler = std::make_shared<RecordingHandler>();
   auto conn = Connect(hello, hello.token(), handler);
@@ -1771,6 +1885,11 @@ TEST_F(ForgedPeerTest, UnsignaledFramesCompleteOnceFlushed) {
 // connection closes, which fails what its unsignaled frames still owe.
 TEST_F(ForgedPeerTest, AFlushWriteThatCannotBePostedClosesTheConnection) {
   namespace fault = rdmarpc::internal::fault;
+  // Frames in buffers borrowed from a group's pool are all signaled.
+  rdmarpc::rdma::SetSendPoolsForTesting(false);
+  absl::Cleanup lend_again = [] {
+    rdmarpc::rdma::SetSendPoolsForTesting(true);
+  };
   rdmarpc::rdma::HelloResponse hello = Hello();
   auto handler = std::make_shared<RecordingHandler>();
   auto conn = Connect(hello, hello.token(), handler);
@@ -1790,6 +1909,11 @@ TEST_F(ForgedPeerTest, AFlushWriteThatCannotBePostedClosesTheConnection) {
 }
 
 TEST_F(ForgedPeerTest, SentOfAnUnsignaledFrameRunsWhenTheEngineGoesQuiet) {
+  // Frames in buffers borrowed from a group's pool are all signaled.
+  rdmarpc::rdma::SetSendPoolsForTesting(false);
+  absl::Cleanup lend_again = [] {
+    rdmarpc::rdma::SetSendPoolsForTesting(true);
+  };
   rdmarpc::rdma::HelloResponse hello = Hello();
   std::atomic<rdmarpc::rdma::Connection*> raw{nullptr};
   std::promise<rdmarpc::Status> sent;
