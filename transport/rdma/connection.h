@@ -475,10 +475,13 @@ class Connection : public std::enable_shared_from_this<Connection>,
   bool OnCompletion(const ibv_wc& wc);
   Status PostReceive(uint32_t index);
   // Posts what the window allows. Requires mu_; an error means the queue
-  // pair is broken and the caller closes the connection.
+  // pair is broken, or a connection is left with no send buffer it could
+  // ever get, and the caller closes the connection.
   Status PumpLocked();
-  // No send buffer is free for a frame that waits: registers another
-  // chunk aside (one at a time, up to the peer's receives). Requires mu_.
+  // Registers another chunk of send buffers aside (one at a time, up to
+  // the peer's receives): when a frame the credits allow (or, while the
+  // pool lends, a credit return) finds none free, and after
+  // kBorrowedFramesBeforeOwn borrowed frames. Requires mu_.
   void GrowSendsLocked();
   // Send buffer `index` (of free_send_buffers_) and its local key.
   // Require mu_. An index with kBorrowedBuffer set is the pool's.
@@ -600,9 +603,10 @@ class Connection : public std::enable_shared_from_this<Connection>,
   std::deque<PendingWrite> writes_;
   std::vector<std::function<void(Status)>> unposted_;  // see UnpostedLocked
   std::vector<int> free_send_buffers_;
-  // Send buffers made so far (FirstSendBuffers, then chunks up to
-  // peer_receives), and whether a chunk is being registered aside (or a
-  // registration failed: no more are tried).
+  // Send buffers made so far (FirstSendBuffers, or 0 while the group's
+  // pool lends them, then chunks up to peer_receives), and whether a chunk
+  // is being registered aside (or a registration failed: no more are
+  // tried).
   uint32_t send_buffers_made_ = 0;
   uint64_t borrowed_frames_ = 0;
   bool growing_sends_ = false;

@@ -12,8 +12,8 @@
 //   }
 //
 // A connection borrows from its group's pool until it has sent
-// Connection::kBorrowedFramesBeforeOwn frames through it (or finds it
-// empty), then registers send buffers of its own (connection.h). A
+// kBorrowedFramesBeforeOwn frames through it (or finds it empty), then
+// registers send buffers of its own (connection.h). A
 // borrowed buffer goes back when its frame's send completed, or once the
 // connection's queue pair is destroyed: never while the device may still
 // read it.
