@@ -454,6 +454,11 @@ ServerBuilder& ServerBuilder::SetNumWorkers(int n) {
   return *this;
 }
 
+ServerBuilder& ServerBuilder::SetGrpcThreads(int n) {
+  grpc_threads_ = n > 0 ? n : 1;
+  return *this;
+}
+
 ServerBuilder& ServerBuilder::SetTensorPlacement(Device device) {
   placement_ = device;
   return *this;
@@ -524,6 +529,11 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
   }
   for (const auto& [address, selected] : ports_) {
     RDMARPC_RETURN_IF_ERROR(internal::CheckListenAddress(address));
+  }
+  if (grpc_threads_ > grpc_transport::GrpcServerTransport::kMaxThreads) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ServerBuilder: SetGrpcThreads(", grpc_threads_, ") is over the ",
+        grpc_transport::GrpcServerTransport::kMaxThreads, " allowed"));
   }
   const Device default_placement = placement_.value_or(
       CudaDeviceCount() > 0 ? Device::Cuda(0) : Device::Host());
@@ -658,7 +668,8 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
                       .services = {server->service_names_.begin(),
                                    server->service_names_.end()},
                       .health = health_service_,
-                      .reflection = reflection_},
+                      .reflection = reflection_,
+                      .threads = grpc_threads_},
                      server->dispatcher_.get(), std::move(internal_methods)));
   grpc_transport::GrpcServerTransport* grpc_raw = grpc.get();
   server->set_serving_status_ = [grpc_raw](const std::string& service,

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <future>
 #include <string>
@@ -140,9 +141,122 @@ TEST(Keepalive, CallToAFrozenServerFailsUnavailable) {
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
 }
 
-// grpc.health.v1.Health/Check over a plain gRPC channel, with the request
-// and response encoded by hand: HealthCheckRequest{service = 1} and
-// HealthCheckResponse{status = 1} (1 SERVING, 2 NOT_SERVING).
+// The names of this process's threads.
+std::vector<std::string> ThreadNames() {
+  std::vector<std::string> names;
+  for (const auto& entry :
+       std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(entry.path() / "comm");
+    std::string name;
+    std::getline(comm, name);
+    names.push_back(name);
+  }
+  return names;
+}
+
+// The gRPC port runs on one thread by default, and handlers run inline on
+// it. A handler that blocks on something only that thread could deliver
+// (here: calls into its own server, two calls three deep at once, each
+// level waiting for the next) is not fatal: the port's watchdog sees every
+// thread held by one event and starts another.
+TEST(GrpcPortThreads, InlineHandlersThatCallTheirOwnServerFinish) {
+  class Loopback final : public E2E::Service {
+   public:
+    E2E::Stub* self = nullptr;
+    rdmarpc::Status Echo(rdmarpc::ServerContext*, const EchoRequest& req,
+                         EchoResponse* resp) override {
+      if (req.note().empty()) {
+        resp->set_note("|end");
+        return absl::OkStatus();
+      }
+      EchoRequest next;
+      next.set_note(req.note().substr(1));
+      rdmarpc::ClientContext ctx;
+      rdmarpc::Status s = self->Echo(&ctx, next, resp);
+      resp->set_note(req.note().substr(0, 1) + resp->note());
+      return s;
+    }
+  };
+  Loopback service;
+  int port = 0;
+  auto server = rdmarpc::ServerBuilder()
+                    .AddListeningPort("127.0.0.1:0", &port)
+                    .RegisterService(&service)
+                    .BuildAndStart();
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = E2E::NewStub(rdmarpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(port),
+      PatientChannelOptions(rdmarpc::TransportPolicy::kGrpc)));
+  service.self = stub.get();
+  auto call = [&](const std::string& note) {
+    rdmarpc::ClientContext ctx;
+    ctx.set_timeout(std::chrono::seconds(60));  // fails, not hangs, if stuck
+    EchoRequest req;
+    req.set_note(note);
+    EchoResponse resp;
+    rdmarpc::Status s = stub->Echo(&ctx, req, &resp);
+    return s.ok() ? resp.note() : s.ToString();
+  };
+  auto first = std::async(std::launch::async, call, "abc");
+  auto second = std::async(std::launch::async, call, "xyz");
+  EXPECT_EQ(first.get(), "abc|end");
+  EXPECT_EQ(second.get(), "xyz|end");
+}
+
+// SetGrpcThreads: that many threads poll the port; over 64 is refused.
+TEST(GrpcPortThreads, TheBuilderSetsHowManyThreadsPollThePort) {
+  E2EService service;
+  int port = 0;
+  auto refused = rdmarpc::ServerBuilder()
+                     .AddListeningPort("127.0.0.1:0", &port)
+                     .RegisterService(&service)
+                     .SetGrpcThreads(65)
+                     .BuildAndStart();
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("SetGrpcThreads(65)"),
+            std::string_view::npos)
+      << refused.status();
+  for (int threads : {1, 3}) {
+    auto server = rdmarpc::ServerBuilder()
+                      .AddListeningPort("127.0.0.1:0", &port)
+                      .RegisterService(&service)
+                      .SetGrpcThreads(threads)
+                      .BuildAndStart();
+    ASSERT_TRUE(server.ok()) << server.status();
+    std::vector<std::string> names = ThreadNames();
+    EXPECT_EQ(std::count(names.begin(), names.end(), "rdmarpc-grpc"), threads);
+  }
+}
+
+// The health service's messages, encoded by hand: HealthCheckRequest{service
+// = 1} and HealthCheckResponse{status = 1} (1 SERVING, 2 NOT_SERVING, 3
+// SERVICE_UNKNOWN).
+grpc::ByteBuffer HealthRequest(const std::string& service) {
+  std::string request;
+  if (!service.empty()) {
+    request.push_back('\x0a');
+    request.push_back(static_cast<char>(service.size()));
+    request += service;
+  }
+  grpc::Slice slice(request);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+// The status in a HealthCheckResponse: an absent field is 0 (UNKNOWN), else
+// 0x08 <varint>; -2 for anything else.
+int HealthStatusIn(const grpc::ByteBuffer& response) {
+  std::vector<grpc::Slice> slices;
+  std::string bytes;
+  if (response.Dump(&slices).ok()) {
+    for (const auto& s : slices) {
+      bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+  }
+  if (bytes.empty()) return 0;
+  return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : -2;
+}
+
+// grpc.health.v1.Health/Check over a plain gRPC channel.
 struct HealthAnswer {
   grpc::StatusCode code;
   int status = 0;
@@ -152,14 +266,7 @@ HealthAnswer CheckHealth(int port, const std::string& service) {
   auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
                                      grpc::InsecureChannelCredentials());
   grpc::GenericStub stub(channel);
-  std::string request;
-  if (!service.empty()) {
-    request.push_back('\x0a');
-    request.push_back(static_cast<char>(service.size()));
-    request += service;
-  }
-  grpc::Slice slice(request);
-  grpc::ByteBuffer request_buffer(&slice, 1);
+  grpc::ByteBuffer request_buffer = HealthRequest(service);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   grpc::CompletionQueue cq;
@@ -176,15 +283,7 @@ HealthAnswer CheckHealth(int port, const std::string& service) {
   while (cq.Next(&tag, &ok)) {
   }
   HealthAnswer answer{status.error_code()};
-  std::vector<grpc::Slice> slices;
-  if (status.ok() && response.Dump(&slices).ok()) {
-    std::string bytes;
-    for (const auto& s : slices) {
-      bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-    }
-    // An absent field is 0 (UNKNOWN); else 0x08 <varint>.
-    if (bytes.size() == 2 && bytes[0] == 0x08) answer.status = bytes[1];
-  }
+  if (status.ok()) answer.status = HealthStatusIn(response);
   return answer;
 }
 
@@ -218,6 +317,120 @@ TEST(HealthService, ReportsEachServiceAndFollowsSetServingStatus) {
   (*server)->Shutdown();
   EXPECT_EQ((*server)->SetServingStatus(name, true).code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+// A grpc.health.v1.Health/Watch stream over a plain gRPC channel, read one
+// answer at a time.
+class HealthWatch {
+ public:
+  HealthWatch(int port, const std::string& service)
+      : channel_(grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                                     grpc::InsecureChannelCredentials())),
+        stub_(channel_) {
+    ctx_.set_deadline(std::chrono::system_clock::now() +
+                      std::chrono::seconds(60));
+    call_ = stub_.PrepareCall(&ctx_, "/grpc.health.v1.Health/Watch", &cq_);
+    call_->StartCall(this);
+    EXPECT_TRUE(Wait());
+    call_->WriteLast(HealthRequest(service), grpc::WriteOptions(), this);
+    EXPECT_TRUE(Wait());
+  }
+  ~HealthWatch() {
+    ctx_.TryCancel();
+    if (!finished_) (void)Finish();
+    cq_.Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq_.Next(&tag, &ok)) {
+    }
+  }
+
+  // The next status the server sent (0 UNKNOWN, 1 SERVING, 2 NOT_SERVING,
+  // 3 SERVICE_UNKNOWN), or -1 once the stream has ended.
+  int Next() {
+    grpc::ByteBuffer buffer;
+    call_->Read(&buffer, this);
+    return Wait() ? HealthStatusIn(buffer) : -1;
+  }
+  grpc::Status Finish() {
+    grpc::Status status;
+    call_->Finish(&status, this);
+    EXPECT_TRUE(Wait());
+    finished_ = true;
+    return status;
+  }
+  void Cancel() { ctx_.TryCancel(); }
+
+ private:
+  bool Wait() {
+    void* tag = nullptr;
+    bool ok = false;
+    EXPECT_TRUE(cq_.Next(&tag, &ok));
+    return ok;
+  }
+
+  std::shared_ptr<grpc::Channel> channel_;
+  grpc::GenericStub stub_;
+  grpc::ClientContext ctx_;
+  grpc::CompletionQueue cq_;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call_;
+  bool finished_ = false;
+};
+
+// Watch: the status at once, then each change; SERVICE_UNKNOWN for a
+// service the server lacks; at shutdown NOT_SERVING and the stream's end,
+// so that a shutdown with a long grace period does not wait for watchers.
+TEST(HealthService, WatchHearsEachChangeAndTheServersShutdown) {
+  E2EService service;
+  int port = 0;
+  auto server = StartE2EServer(&service, &port);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string name = "rdmarpc_test.E2E";
+  HealthWatch watch(port, name);
+  HealthWatch unknown(port, "no.Such");
+  HealthWatch whole(port, "");
+  EXPECT_EQ(watch.Next(), 1);
+  EXPECT_EQ(unknown.Next(), 3);
+  EXPECT_EQ(whole.Next(), 1);
+  ASSERT_TRUE((*server)->SetServingStatus(name, false).ok());
+  EXPECT_EQ(watch.Next(), 2);
+  ASSERT_TRUE((*server)->SetServingStatus(name, true).ok());
+  EXPECT_EQ(watch.Next(), 1);
+
+  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::hours(1));
+  EXPECT_EQ(watch.Next(), 2);
+  EXPECT_EQ(watch.Next(), -1);
+  EXPECT_EQ(watch.Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(whole.Next(), 2);
+  EXPECT_EQ(whole.Next(), -1);
+  EXPECT_EQ(unknown.Next(), -1);  // nothing new to say: it only ends
+  EXPECT_EQ(unknown.Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+// A watch its client cancels ends on the server: a shutdown with a long
+// grace period returns. Health and reflection are answered on the
+// transport's own queue: no gRPC callback service runs, so none of gRPC
+// 1.51's callback-queue threads ("nexting_thread") poll the port beside
+// the transport's threads (each such poller adds futex wake-ups to every
+// call).
+TEST(HealthService, ACancelledWatchEndsAndNoCallbackThreadsRun) {
+  E2EService service;
+  int port = 0;
+  auto server = rdmarpc::ServerBuilder()
+                    .AddListeningPort("127.0.0.1:0", &port)
+                    .RegisterService(&service)
+                    .EnableReflection(true)
+                    .BuildAndStart();
+  ASSERT_TRUE(server.ok()) << server.status();
+  HealthWatch watch(port, "");
+  EXPECT_EQ(watch.Next(), 1);
+  for (const std::string& name : ThreadNames()) {
+    EXPECT_NE(name, "nexting_thread");
+  }
+  watch.Cancel();
+  EXPECT_EQ(watch.Next(), -1);
+  EXPECT_EQ(watch.Finish().error_code(), grpc::StatusCode::CANCELLED);
+  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::hours(1));
 }
 
 TEST(HealthService, OffWhenTheBuilderSaysSo) {

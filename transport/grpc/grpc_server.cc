@@ -1,7 +1,6 @@
 #include "transport/grpc/grpc_server.h"
 
 #include <grpcpp/generic/async_generic_service.h>
-#include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/impl/codegen/proto_utils.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
@@ -17,8 +16,10 @@
 #include <climits>
 #include <condition_variable>
 #include <cstring>
+#include <list>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "absl/container/flat_hash_map.h"
@@ -27,6 +28,7 @@
 #include "runtime/codec.h"
 #include "runtime/metadata.h"
 #include "runtime/tensor_walk.h"
+#include "transport/grpc/health.h"
 #include "transport/grpc/lean_codec.h"
 #include "transport/grpc/release_mutexes.h"
 #include "transport/grpc/status_convert.h"
@@ -49,9 +51,8 @@ class GrpcServerTransport::Service {
   // the generic service (any other path: the runtime's own methods, unknown
   // ones) reads it in a batch of its own. gRPC itself answers a call to a
   // registered method that brings no message at all: INTERNAL "Unable to
-  // parse request". Paths under /grpc. stay generic: gRPC's health service
-  // and our reflection register theirs, and a second registration of a path
-  // fails the server's start.
+  // parse request". Paths under /grpc. stay generic: the health service and
+  // reflection are answered by the generic service's calls (ServerCall).
   class Methods final : public grpc::Service {
    public:
     explicit Methods(std::vector<std::string> paths)
@@ -87,10 +88,14 @@ class GrpcServerTransport::Service {
     const std::vector<std::string> paths_;
   };
 
+  // `health` and `reflection` (null: not served) outlive the service.
   Service(internal::Dispatcher* dispatcher,
-          std::map<std::string, InternalMethod> internal_methods)
+          std::map<std::string, InternalMethod> internal_methods,
+          HealthStatuses* health, const ReflectionAnswerer* reflection)
       : dispatcher_(dispatcher),
         internal_methods_(std::move(internal_methods)),
+        health_(health),
+        reflection_(reflection),
         methods_(dispatcher->MethodPaths()) {}
 
   ~Service() { Stop(); }
@@ -101,7 +106,8 @@ class GrpcServerTransport::Service {
   void AddQueue(grpc::ServerBuilder* builder) {
     queue_ = builder->AddCompletionQueue();
   }
-  // After BuildAndStart: waits for calls on `threads` threads.
+  // After BuildAndStart: waits for calls on `threads` threads, and starts
+  // the watchdog that keeps one of them free.
   void Run(int threads);
   // After Server::Shutdown returned: waits until every call is gone, then
   // drains and stops the queue. Idempotent.
@@ -112,6 +118,8 @@ class GrpcServerTransport::Service {
     auto it = internal_methods_.find(path);
     return it == internal_methods_.end() ? nullptr : &it->second;
   }
+  HealthStatuses* health() const { return health_; }
+  const ReflectionAnswerer* reflection() const { return reflection_; }
   // The running-call counter of the TCP connection `peer` (gRPC's peer
   // string, "ipv4:10.0.0.7:53412", names one connection), shared by its
   // calls while they hold it.
@@ -131,10 +139,41 @@ class GrpcServerTransport::Service {
 
   internal::Dispatcher* const dispatcher_;
   const std::map<std::string, InternalMethod> internal_methods_;
+  HealthStatuses* const health_;
+  const ReflectionAnswerer* const reflection_;
   grpc::AsyncGenericService generic_;
   Methods methods_;
   std::unique_ptr<grpc::ServerCompletionQueue> queue_;
-  std::vector<std::thread> threads_;
+
+  // A thread polling queue_. `events` counts the events it began and
+  // ended: odd while it runs one.
+  struct Poller {
+    std::thread thread;
+    std::atomic<uint64_t> events{0};
+    std::atomic<bool> replaced{false};  // leave once the event returns
+    uint64_t seen = 0;                  // events at the watchdog's last look
+    bool done = false;  // it left the loop (guarded by pollers_mu_)
+  };
+  // A handler run inline may block (a sleep, a wait for its own cancel, a
+  // call back into this server), and gRPC needs a free thread to deliver
+  // whatever would release it. The watchdog looks every kIdleLook, or
+  // kBusyLook after it saw a thread in an event; when every thread has
+  // been in the same event since the last look, it starts one more and
+  // the one it replaces leaves after its event. At most
+  // kMaxReplacementThreads are replaced at a time.
+  static constexpr std::chrono::milliseconds kIdleLook{100};
+  static constexpr std::chrono::milliseconds kBusyLook{10};
+  static constexpr int kMaxReplacementThreads = 16;
+  void StartPollerLocked();
+  void Poll(Poller* self);
+  void Watch();
+
+  std::mutex pollers_mu_;
+  std::condition_variable watch_cv_;
+  std::list<Poller> pollers_;    // guarded by pollers_mu_
+  bool watch_stopping_ = false;  // guarded by pollers_mu_
+  int wanted_threads_ = 0;
+  std::thread watchdog_;
   bool stopped_ = false;
   std::atomic<bool> stopping_{false};
   std::mutex mu_;
@@ -165,13 +204,33 @@ GrpcServerTransport::Service::ConnectionCalls(const std::string& peer) {
 
 namespace {
 
+std::string Flatten(const grpc::ByteBuffer& buffer) {
+  std::vector<grpc::Slice> slices;
+  std::string bytes;
+  if (buffer.Dump(&slices).ok()) {
+    for (const grpc::Slice& s : slices) {
+      bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+  }
+  return bytes;
+}
+
+bool IsReflectionPath(const std::string& path) {
+  return path == "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo" ||
+         path ==
+             "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo";
+}
+
 // One call on the gRPC port, from its arrival to the end of its RPC. Reads
 // the request (plain or lean), hands it to the dispatcher (or a runtime
 // method), writes the response the way the request came. Every step but
 // the handler runs on whichever queue thread got its event; the response
 // may be started from a worker. It deletes itself once it has
 // finished the RPC and every operation it started has come back.
-class ServerCall {
+// The standard services' streams (health Watch, reflection) run here too,
+// so that the port needs no callback service and none of gRPC's
+// callback-queue threads.
+class ServerCall final : public HealthWatcher {
  public:
   // Waits for a call of registered method `method`, or of the generic
   // service (Service::kGeneric).
@@ -230,6 +289,11 @@ class ServerCall {
         std::lock_guard<std::mutex> lock(mu_);
         cancelled_ = ctx_.IsCancelled();
         if (cancelled_ && state_) state_->cancelled.store(true);
+        // A watch ends when its client goes (or the server stops); one
+        // with a write out ends when the write comes back.
+        if (standard_ == Standard::kHealthWatch && !write_in_flight_) {
+          FinishLocked(absl::CancelledError("health watch cancelled"));
+        }
         break;
       }
     }
@@ -246,11 +310,19 @@ class ServerCall {
     const bool generic = method_ == GrpcServerTransport::Service::kGeneric;
     const std::string& path =
         generic ? ctx_.method() : service_->methods()->path(method_);
-    // The runtime's own methods are never registered.
-    if (const auto* internal =
-            generic ? service_->FindInternal(path) : nullptr) {
-      internal_ = internal;
-      return Read();
+    // The runtime's own methods and the standard services are never
+    // registered.
+    if (generic) {
+      if (const auto* internal = service_->FindInternal(path)) {
+        internal_ = internal;
+        return Read();
+      }
+      if (path == kHealthWatchPath && service_->health() != nullptr) {
+        return ReadStandard(Standard::kHealthWatch);
+      }
+      if (IsReflectionPath(path) && service_->reflection() != nullptr) {
+        return ReadStandard(Standard::kReflection);
+      }
     }
     internal::Dispatcher* dispatcher = service_->dispatcher();
     const internal::ServerMethod* method = dispatcher->Find(path);
@@ -293,6 +365,17 @@ class ServerCall {
     Read();
   }
 
+  // The standard services a call of the generic service may be for.
+  enum class Standard { kNone, kHealthWatch, kReflection };
+  // Set under mu_: the done tag may come back while Begin runs.
+  void ReadStandard(Standard standard) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      standard_ = standard;
+    }
+    Read();
+  }
+
   void Read() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -303,6 +386,8 @@ class ServerCall {
 
   void OnReadDone(bool ok) {
     if (internal_ != nullptr) return RunInternal(ok);
+    if (standard_ == Standard::kHealthWatch) return StartWatch(ok);
+    if (standard_ == Standard::kReflection) return AnswerReflection(ok);
     // The first message tells the framing.
     if (ok && !receiver_ && StartsLeanStream(&read_buf_)) {
       receiver_.emplace([this](const LeanHead& head) { return OnHead(head); });
@@ -337,22 +422,82 @@ class ServerCall {
   void RunInternal(bool ok) {
     if (!ok)
       return FinishOnce(absl::InvalidArgumentError("no request message"));
-    std::vector<grpc::Slice> slices;
-    std::string request;
-    if (read_buf_.Dump(&slices).ok()) {
-      for (const grpc::Slice& s : slices) {
-        request.append(reinterpret_cast<const char*>(s.begin()), s.size());
-      }
-    }
-    StatusOr<std::string> response = (*internal_)(ctx_.peer(), request);
+    StatusOr<std::string> response =
+        (*internal_)(ctx_.peer(), Flatten(read_buf_));
     if (!response.ok()) return FinishOnce(response.status());
     grpc::Slice slice(*response);
     grpc::ByteBuffer(&slice, 1).Swap(&write_buf_);
     WriteAndFinishOnce();
   }
 
+  // grpc.health.v1.Health/Watch: the service's status now, then each change,
+  // until the client goes or the server stops.
+  void StartWatch(bool ok) {
+    if (!ok) {
+      return FinishOnce(absl::InvalidArgumentError("no request message"));
+    }
+    StatusOr<std::string> watched = ParseHealthRequest(Flatten(read_buf_));
+    if (!watched.ok()) return FinishOnce(watched.status());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finished_) return;  // cancelled meanwhile
+      watched_ = *std::move(watched);
+      watching_ = true;
+    }
+    // Off mu_: OnHealth runs under the statuses' lock and takes mu_.
+    service_->health()->Watch(watched_, this);
+  }
+
+  void OnHealth(ServingStatus status, bool final) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_) return;
+    latest_health_ = status;
+    health_final_ = health_final_ || final;
+    if (!write_in_flight_) WriteHealthLocked();
+  }
+
+  // Writes the watched status unless the client heard it last; once the
+  // final one is out, the stream ends.
+  void WriteHealthLocked() {
+    if (latest_health_ != sent_health_) {
+      sent_health_ = latest_health_;
+      grpc::Slice slice(EncodeHealthResponse(latest_health_));
+      grpc::ByteBuffer(&slice, 1).Swap(&write_buf_);
+      write_in_flight_ = true;
+      ++pending_;
+      stream_.Write(write_buf_, Started(&write_tag_));
+      return;
+    }
+    if (health_final_) {
+      FinishLocked(absl::UnavailableError("the server is shutting down"));
+    }
+  }
+
+  // grpc.reflection: each request read is answered, until the client
+  // half-closes.
+  void AnswerReflection(bool ok) {
+    if (!ok) return FinishOnce(absl::OkStatus());
+    StatusOr<std::string> answer =
+        service_->reflection()->Answer(Flatten(read_buf_), &files_sent_);
+    if (!answer.ok()) return FinishOnce(answer.status());
+    grpc::Slice slice(*std::move(answer));
+    grpc::ByteBuffer(&slice, 1).Swap(&write_buf_);
+    std::lock_guard<std::mutex> lock(mu_);
+    ++pending_;
+    stream_.Write(write_buf_, Started(&write_tag_));
+  }
+
   void OnWriteDone(bool ok) {
+    if (standard_ == Standard::kHealthWatch) {
+      std::lock_guard<std::mutex> lock(mu_);
+      write_in_flight_ = false;
+      if (!ok || cancelled_) {
+        return FinishLocked(absl::CancelledError("health watch cancelled"));
+      }
+      return WriteHealthLocked();
+    }
     if (!ok) return FinishOnce(absl::CancelledError("response write failed"));
+    if (standard_ == Standard::kReflection) return Read();
     WriteNext();
   }
 
@@ -463,6 +608,9 @@ class ServerCall {
   }
   void FinishOnce(const Status& s) {
     std::lock_guard<std::mutex> lock(mu_);
+    FinishLocked(s);
+  }
+  void FinishLocked(const Status& s) {
     if (finished_) return;
     finished_ = true;
     outcome_ = s;
@@ -482,6 +630,9 @@ class ServerCall {
 
   // Every operation is back and the RPC is over.
   void End() {
+    // No OnHealth runs once Unwatch returned (and none started a write:
+    // the call had finished).
+    if (watching_) service_->health()->Unwatch(watched_, this);
     // A logged call (a re-send): its outcome reached the client unless the
     // RPC was cancelled or broke; then the log keeps it for another re-send.
     if (state_ && state_->logged) {
@@ -508,6 +659,17 @@ class ServerCall {
   Tag finish_tag_{this, Op::kFinish};
   Tag done_tag_{this, Op::kDone};
   const GrpcServerTransport::InternalMethod* internal_ = nullptr;
+  Standard standard_ = Standard::kNone;
+  // A health watch: the service, whether Watch was called, the status it
+  // last heard, the one the client last got, and whether a write is out
+  // (guarded by mu_ once watching).
+  std::string watched_;
+  bool watching_ = false;
+  ServingStatus latest_health_ = ServingStatus::kUnknown;
+  std::optional<ServingStatus> sent_health_;
+  bool health_final_ = false;
+  bool write_in_flight_ = false;
+  std::set<std::string> files_sent_;  // reflection: files this stream sent
   std::shared_ptr<internal::ServerCallState> state_;
   std::shared_ptr<Message> request_;
   std::unique_ptr<Message> response_;
@@ -531,16 +693,71 @@ void GrpcServerTransport::Service::Run(int threads) {
   for (int m = 0; m < methods_.size(); ++m) {
     for (int i = 0; i < kArmedPerMethod; ++i) Arm(queue_.get(), m);
   }
-  for (int i = 0; i < threads; ++i) {
-    threads_.emplace_back([q = queue_.get()] {
-      void* tag = nullptr;
-      bool ok = false;
-      while (q->Next(&tag, &ok)) {
-        ServerCall::Tag* t = ServerCall::Received(tag);
-        t->call->OnEvent(t->op, ok);
+  std::lock_guard<std::mutex> lock(pollers_mu_);
+  wanted_threads_ = threads;
+  for (int i = 0; i < threads; ++i) StartPollerLocked();
+  watchdog_ = std::thread([this] { Watch(); });
+  pthread_setname_np(watchdog_.native_handle(), "rdmarpc-grpc-wd");
+}
+
+void GrpcServerTransport::Service::StartPollerLocked() {
+  Poller& p = pollers_.emplace_back();
+  p.thread = std::thread([this, &p] { Poll(&p); });
+  pthread_setname_np(p.thread.native_handle(), "rdmarpc-grpc");
+}
+
+void GrpcServerTransport::Service::Poll(Poller* self) {
+  void* tag = nullptr;
+  bool ok = false;
+  // Only this thread writes `events`.
+  uint64_t events = 0;
+  while (queue_->Next(&tag, &ok)) {
+    self->events.store(++events, std::memory_order_relaxed);
+    ServerCall::Tag* t = ServerCall::Received(tag);
+    t->call->OnEvent(t->op, ok);
+    self->events.store(++events, std::memory_order_relaxed);
+    if (self->replaced.load(std::memory_order_relaxed)) break;
+  }
+  std::lock_guard<std::mutex> lock(pollers_mu_);
+  self->done = true;
+}
+
+void GrpcServerTransport::Service::Watch() {
+  std::unique_lock<std::mutex> lock(pollers_mu_);
+  bool busy = false;
+  while (!watch_cv_.wait_for(lock, busy ? kBusyLook : kIdleLook,
+                             [this] { return watch_stopping_; })) {
+    // Threads that left are joined here, off the calls' path.
+    for (auto it = pollers_.begin(); it != pollers_.end();) {
+      if (!it->done) {
+        ++it;
+        continue;
       }
-    });
-    pthread_setname_np(threads_.back().native_handle(), "rdmarpc-grpc");
+      it->thread.join();
+      it = pollers_.erase(it);
+    }
+    busy = false;
+    bool free = false;
+    Poller* stuck = nullptr;
+    for (Poller& p : pollers_) {
+      if (p.replaced.load(std::memory_order_relaxed)) continue;
+      const uint64_t events = p.events.load(std::memory_order_relaxed);
+      const bool in_event = events % 2 == 1;
+      busy = busy || in_event;
+      if (in_event && events == p.seen) {
+        stuck = &p;
+      } else {
+        free = true;
+      }
+      p.seen = events;
+    }
+    if (free || stuck == nullptr ||
+        pollers_.size() >=
+            static_cast<size_t>(wanted_threads_ + kMaxReplacementThreads)) {
+      continue;
+    }
+    stuck->replaced.store(true, std::memory_order_relaxed);
+    StartPollerLocked();
   }
 }
 
@@ -567,8 +784,17 @@ void GrpcServerTransport::Service::Stop() {
     std::unique_lock<std::mutex> lock(mu_);
     gone_.wait(lock, [this] { return live_ == 0; });
   }
+  // Every call is gone, so no event can hold a thread: the watchdog goes.
+  if (watchdog_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(pollers_mu_);
+      watch_stopping_ = true;
+    }
+    watch_cv_.notify_all();
+    watchdog_.join();
+  }
   queue_->Shutdown();
-  for (std::thread& t : threads_) t.join();
+  for (Poller& p : pollers_) p.thread.join();
   // gRPC requires a queue drained before it is destroyed (no thread ran
   // when the server failed to start).
   void* tag = nullptr;
@@ -618,8 +844,24 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::Start(
     std::map<std::string, InternalMethod> internal_methods) {
   UseReleaseModeMutexes();
   std::unique_ptr<GrpcServerTransport> t(new GrpcServerTransport());
+  if (listen.health) {
+    t->health_ = std::make_unique<HealthStatuses>(listen.services);
+    internal_methods[kHealthCheckPath] = [health = t->health_.get()](
+                                             const std::string&,
+                                             const std::string& request) {
+      return health->Check(request);
+    };
+  }
+  if (listen.reflection) {
+    std::vector<std::string> listed = listen.services;
+    if (listen.health) listed.push_back("grpc.health.v1.Health");
+    listed.push_back("grpc.reflection.v1.ServerReflection");
+    listed.push_back("grpc.reflection.v1alpha.ServerReflection");
+    t->reflection_ = std::make_unique<ReflectionAnswerer>(std::move(listed));
+  }
   t->service_ =
-      std::make_unique<Service>(dispatcher, std::move(internal_methods));
+      std::make_unique<Service>(dispatcher, std::move(internal_methods),
+                                t->health_.get(), t->reflection_.get());
   grpc::ServerBuilder builder;
   std::shared_ptr<grpc::ServerCredentials> credentials =
       grpc::InsecureServerCredentials();
@@ -652,18 +894,6 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::Start(
     builder.RegisterService(t->service_->methods());
   }
   t->service_->AddQueue(&builder);
-  if (listen.reflection) {
-    std::vector<std::string> listed = listen.services;
-    if (listen.health) listed.push_back("grpc.health.v1.Health");
-    listed.push_back("grpc.reflection.v1.ServerReflection");
-    listed.push_back("grpc.reflection.v1alpha.ServerReflection");
-    t->reflection_ = std::make_unique<ReflectionAnswerer>(std::move(listed));
-    for (std::string_view version : {"v1", "v1alpha"}) {
-      t->reflection_services_.push_back(
-          MakeReflectionService(version, t->reflection_.get()));
-      builder.RegisterService(t->reflection_services_.back().get());
-    }
-  }
   builder.SetMaxReceiveMessageSize(-1);
   builder.SetMaxSendMessageSize(-1);
   builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE,
@@ -677,10 +907,11 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::Start(
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   }
   {
-    // gRPC adds its health service to the servers built while this global
-    // switch is on; put it back for the program's own servers.
+    // gRPC adds its own health service to the servers built while this
+    // global switch is on (it would take the health paths and start its
+    // callback-queue threads); put it back for the program's own servers.
     const bool health_was = grpc::DefaultHealthCheckServiceEnabled();
-    grpc::EnableDefaultHealthCheckService(listen.health);
+    grpc::EnableDefaultHealthCheckService(false);
     t->server_ = builder.BuildAndStart();
     grpc::EnableDefaultHealthCheckService(health_was);
   }
@@ -708,34 +939,21 @@ StatusOr<std::unique_ptr<GrpcServerTransport>> GrpcServerTransport::Start(
     }
     if (ports[i].second != nullptr) *ports[i].second = bound[i];
   }
-  if (grpc::HealthCheckServiceInterface* health =
-          t->server_->GetHealthCheckService()) {
-    for (const std::string& name : listen.services) {
-      health->SetServingStatus(name, true);
-    }
-  }
-  // Each step of a call is short (handlers run on the worker pool unless
-  // the server runs them inline, where they must not block): a few threads
-  // keep one slow step from holding up the rest.
-  t->service_->Run(static_cast<int>(
-      std::clamp(std::thread::hardware_concurrency(), 2u, 4u)));
+  // One thread by default: gRPC lets one thread at a time wait on the
+  // sockets, and hands that role to another waiting thread after each
+  // batch of events, so each further thread adds wake-ups to every call.
+  t->service_->Run(std::clamp(listen.threads, 1, kMaxThreads));
   return t;
 }
 
 Status GrpcServerTransport::SetServingStatus(const std::string& service,
                                              bool serving) {
-  grpc::HealthCheckServiceInterface* health =
-      server_ == nullptr ? nullptr : server_->GetHealthCheckService();
-  if (health == nullptr) {
+  if (health_ == nullptr || server_ == nullptr) {
     return absl::FailedPreconditionError(
         "the server runs no health service (ServerBuilder::SetHealthService) "
         "or has shut down");
   }
-  if (service.empty()) {
-    health->SetServingStatus(serving);
-  } else {
-    health->SetServingStatus(service, serving);
-  }
+  health_->Set(service, serving);
   return absl::OkStatus();
 }
 
@@ -746,6 +964,9 @@ GrpcServerTransport::~GrpcServerTransport() {
 void GrpcServerTransport::Shutdown(
     std::chrono::system_clock::time_point deadline) {
   if (server_ == nullptr) return;
+  // Every service NOT_SERVING; health watches end, so gRPC need not wait
+  // for them until the deadline.
+  if (health_) health_->Shutdown();
   server_->Shutdown(deadline);
   service_->Stop();
   server_->Wait();

@@ -17,6 +17,7 @@
 
 #include "rdmarpc/server.h"
 #include "runtime/transport.h"
+#include "transport/grpc/health.h"
 #include "transport/grpc/reflection.h"
 
 namespace rdmarpc::grpc_transport {
@@ -46,7 +47,11 @@ class GrpcServerTransport final : public internal::ServerTransport {
     bool health = true;
     // grpc.reflection.v1 and v1alpha.
     bool reflection = false;
+    // Threads polling the port (ServerBuilder::SetGrpcThreads), 1 to
+    // kMaxThreads.
+    int threads = 1;
   };
+  static constexpr int kMaxThreads = 64;
 
   // Binds `ports` (address, optional out-param for the bound port).
   static StatusOr<std::unique_ptr<GrpcServerTransport>> Start(
@@ -65,9 +70,10 @@ class GrpcServerTransport final : public internal::ServerTransport {
  private:
   GrpcServerTransport() = default;
 
-  std::unique_ptr<Service> service_;
+  // Both outlive service_ (declared first), whose calls read them.
+  std::unique_ptr<HealthStatuses> health_;
   std::unique_ptr<ReflectionAnswerer> reflection_;
-  std::vector<std::unique_ptr<grpc::Service>> reflection_services_;
+  std::unique_ptr<Service> service_;
   std::unique_ptr<grpc::Server> server_;
 };
 

@@ -1,10 +1,5 @@
 #include "transport/grpc/reflection.h"
 
-#include <grpcpp/impl/codegen/server_callback_handlers.h>
-#include <grpcpp/impl/rpc_service_method.h>
-#include <grpcpp/support/byte_buffer.h>
-#include <grpcpp/support/server_callback.h>
-
 #include <climits>
 #include <utility>
 
@@ -198,90 +193,6 @@ StatusOr<std::string> ReflectionAnswerer::Answer(
   std::string out;
   answer.SerializeToString(&out);
   return out;
-}
-
-namespace {
-
-std::string Flatten(const grpc::ByteBuffer& buffer) {
-  std::vector<grpc::Slice> slices;
-  std::string out;
-  if (!buffer.Dump(&slices).ok()) return out;
-  for (const grpc::Slice& s : slices) {
-    out.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  }
-  return out;
-}
-
-// One ServerReflectionInfo stream: read a request, write its answer, until
-// the client half-closes. Deletes itself when gRPC is done with it.
-class ReflectionStream final
-    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
- public:
-  explicit ReflectionStream(const ReflectionAnswerer* answerer)
-      : answerer_(answerer) {
-    StartRead(&request_);
-  }
-
-  void OnReadDone(bool ok) override {
-    if (!ok) {
-      Finish(grpc::Status::OK);
-      return;
-    }
-    StatusOr<std::string> answer =
-        answerer_->Answer(Flatten(request_), &files_sent_);
-    if (!answer.ok()) {
-      Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          std::string(answer.status().message())));
-      return;
-    }
-    grpc::Slice slice(*std::move(answer));
-    response_ = grpc::ByteBuffer(&slice, 1);
-    StartWrite(&response_);
-  }
-
-  void OnWriteDone(bool ok) override {
-    if (!ok) {
-      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                          "reflection: the client went away"));
-      return;
-    }
-    StartRead(&request_);
-  }
-
-  void OnDone() override { delete this; }
-
- private:
-  const ReflectionAnswerer* answerer_;
-  grpc::ByteBuffer request_;
-  grpc::ByteBuffer response_;
-  std::set<std::string> files_sent_;
-};
-
-class ReflectionService final : public grpc::Service {
- public:
-  ReflectionService(std::string_view version,
-                    const ReflectionAnswerer* answerer)
-      : path_(absl::StrCat("/grpc.reflection.", std::string(version),
-                           ".ServerReflection/ServerReflectionInfo")) {
-    AddMethod(new grpc::internal::RpcServiceMethod(
-        path_.c_str(), grpc::internal::RpcMethod::BIDI_STREAMING, nullptr));
-    MarkMethodRawCallback(
-        0, new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer,
-                                                   grpc::ByteBuffer>(
-               [answerer](grpc::CallbackServerContext*) {
-                 return new ReflectionStream(answerer);
-               }));
-  }
-
- private:
-  std::string path_;  // the method keeps a pointer to it
-};
-
-}  // namespace
-
-std::unique_ptr<grpc::Service> MakeReflectionService(
-    std::string_view version, const ReflectionAnswerer* answerer) {
-  return std::make_unique<ReflectionService>(version, answerer);
 }
 
 }  // namespace rdmarpc::grpc_transport

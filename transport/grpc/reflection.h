@@ -16,9 +16,6 @@
 #ifndef RDMARPC_TRANSPORT_GRPC_REFLECTION_H_
 #define RDMARPC_TRANSPORT_GRPC_REFLECTION_H_
 
-#include <grpcpp/impl/service_type.h>
-
-#include <memory>
 #include <set>
 #include <string>
 #include <string_view>
@@ -51,12 +48,6 @@ class ReflectionAnswerer {
   std::vector<std::string> services_;
   const google::protobuf::DescriptorPool* pool_;
 };
-
-// The ServerReflectionInfo stream of grpc.reflection.<version> ("v1" or
-// "v1alpha") as a callback service to register with a grpc::ServerBuilder.
-// `answerer` must outlive the service.
-std::unique_ptr<grpc::Service> MakeReflectionService(
-    std::string_view version, const ReflectionAnswerer* answerer);
 
 }  // namespace rdmarpc::grpc_transport
 
