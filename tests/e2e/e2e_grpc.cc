@@ -2,6 +2,7 @@
 // default 'auto' policy in a build without RDMA.
 #include <grpcpp/create_channel.h>
 #include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/credentials.h>
 #include <signal.h>
 #include <spawn.h>
@@ -403,7 +404,8 @@ TEST(HealthService, WatchHearsEachChangeAndTheServersShutdown) {
   EXPECT_EQ(watch.Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(whole.Next(), 2);
   EXPECT_EQ(whole.Next(), -1);
-  EXPECT_EQ(unknown.Next(), -1);  // nothing new to say: it only ends
+  EXPECT_EQ(unknown.Next(), 2);  // every watcher hears NOT_SERVING, as in gRPC
+  EXPECT_EQ(unknown.Next(), -1);
   EXPECT_EQ(unknown.Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
 }
 
@@ -445,13 +447,20 @@ TEST(HealthService, OffWhenTheBuilderSaysSo) {
   EXPECT_EQ(CheckHealth(port, "").code, grpc::StatusCode::UNIMPLEMENTED);
   rdmarpc::Status s = (*server)->SetServingStatus("", false);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
-  // A server built afterwards in the same process still gets one: the
-  // builder does not leave gRPC's global switch off.
+  // A server built afterwards in the same process still gets one. The
+  // program's own setting of gRPC's process-wide health switch is left as
+  // it was, and a server built while it is on answers with its own health
+  // service, which SetServingStatus reaches (gRPC's would take the paths).
+  grpc::EnableDefaultHealthCheckService(true);
   E2EService other_service;
   int other_port = 0;
   auto other = StartE2EServer(&other_service, &other_port);
+  EXPECT_TRUE(grpc::DefaultHealthCheckServiceEnabled());
+  grpc::EnableDefaultHealthCheckService(false);
   ASSERT_TRUE(other.ok()) << other.status();
   EXPECT_EQ(CheckHealth(other_port, "").status, 1);
+  ASSERT_TRUE((*other)->SetServingStatus("", false).ok());
+  EXPECT_EQ(CheckHealth(other_port, "").status, 2);
 }
 
 }  // namespace

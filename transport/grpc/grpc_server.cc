@@ -20,6 +20,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <system_error>
 #include <thread>
 
 #include "absl/container/flat_hash_map.h"
@@ -164,7 +165,8 @@ class GrpcServerTransport::Service {
   static constexpr std::chrono::milliseconds kIdleLook{100};
   static constexpr std::chrono::milliseconds kBusyLook{10};
   static constexpr int kMaxReplacementThreads = 16;
-  void StartPollerLocked();
+  // False when no thread could be made (the watchdog then tries again).
+  bool StartPollerLocked();
   void Poll(Poller* self);
   void Watch();
 
@@ -695,15 +697,26 @@ void GrpcServerTransport::Service::Run(int threads) {
   }
   std::lock_guard<std::mutex> lock(pollers_mu_);
   wanted_threads_ = threads;
-  for (int i = 0; i < threads; ++i) StartPollerLocked();
+  for (int i = 0; i < threads; ++i) {
+    if (!StartPollerLocked() && pollers_.empty()) {
+      throw std::system_error(EAGAIN, std::generic_category(),
+                              "no thread for the gRPC port");
+    }
+  }
   watchdog_ = std::thread([this] { Watch(); });
   pthread_setname_np(watchdog_.native_handle(), "rdmarpc-grpc-wd");
 }
 
-void GrpcServerTransport::Service::StartPollerLocked() {
+bool GrpcServerTransport::Service::StartPollerLocked() {
   Poller& p = pollers_.emplace_back();
-  p.thread = std::thread([this, &p] { Poll(&p); });
+  try {
+    p.thread = std::thread([this, &p] { Poll(&p); });
+  } catch (const std::system_error&) {
+    pollers_.pop_back();
+    return false;
+  }
   pthread_setname_np(p.thread.native_handle(), "rdmarpc-grpc");
+  return true;
 }
 
 void GrpcServerTransport::Service::Poll(Poller* self) {
@@ -756,8 +769,11 @@ void GrpcServerTransport::Service::Watch() {
             static_cast<size_t>(wanted_threads_ + kMaxReplacementThreads)) {
       continue;
     }
-    stuck->replaced.store(true, std::memory_order_relaxed);
-    StartPollerLocked();
+    // (Its event may have ended since the look: then it leaves after its
+    // next one, and until then two threads wait.)
+    if (StartPollerLocked()) {
+      stuck->replaced.store(true, std::memory_order_relaxed);
+    }
   }
 }
 

@@ -74,7 +74,7 @@ void HealthStatuses::Shutdown() {
 void HealthStatuses::Watch(const std::string& service, HealthWatcher* watcher) {
   std::lock_guard<std::mutex> lock(mu_);
   watchers_[service].insert(watcher);
-  watcher->OnHealth(StatusLocked(service), shut_down_);
+  watcher->OnHealth(WatchedStatusLocked(service), shut_down_);
 }
 
 void HealthStatuses::Unwatch(const std::string& service,
@@ -92,10 +92,16 @@ ServingStatus HealthStatuses::StatusLocked(const std::string& service) const {
   return it->second ? ServingStatus::kServing : ServingStatus::kNotServing;
 }
 
+ServingStatus HealthStatuses::WatchedStatusLocked(
+    const std::string& service) const {
+  // After shutdown every watcher hears NOT_SERVING, known service or not.
+  return shut_down_ ? ServingStatus::kNotServing : StatusLocked(service);
+}
+
 void HealthStatuses::TellLocked(const std::string& service) {
   auto it = watchers_.find(service);
   if (it == watchers_.end()) return;
-  const ServingStatus status = StatusLocked(service);
+  const ServingStatus status = WatchedStatusLocked(service);
   for (HealthWatcher* w : it->second) w->OnHealth(status, shut_down_);
 }
 

@@ -46,9 +46,10 @@ StatusOr<std::string> ParseHealthRequest(std::string_view request);
 std::string EncodeHealthResponse(ServingStatus status);
 
 // One Watch stream. OnHealth runs under the HealthStatuses' lock, so it must
-// not call back into it; it runs once when the watch starts, then on every
-// change of the service's status. `final` is set once, at Shutdown: no
-// change comes after it.
+// not call back into it; it runs once when the watch starts, then after
+// every Set that covers the service (the status may be unchanged). `final`
+// is set at Shutdown (NOT_SERVING for every watcher, known service or not):
+// no change comes after it.
 class HealthWatcher {
  public:
   virtual ~HealthWatcher() = default;
@@ -70,6 +71,7 @@ class HealthStatuses {
   void Set(const std::string& service, bool serving);
 
   // Every service NOT_SERVING from now on; each watcher hears it as final.
+  // Check still says NOT_FOUND for a service the server does not know.
   void Shutdown();
 
   // Starts telling `watcher` about `service` (SERVICE_UNKNOWN until the
@@ -80,6 +82,7 @@ class HealthStatuses {
 
  private:
   ServingStatus StatusLocked(const std::string& service) const;
+  ServingStatus WatchedStatusLocked(const std::string& service) const;
   void TellLocked(const std::string& service);
 
   mutable std::mutex mu_;

@@ -268,7 +268,10 @@ class ServerBuilder {
   // Serves the standard health service (grpc.health.v1.Health) on the gRPC
   // port. Default: yes. The server and each registered service report
   // SERVING until shutdown (then NOT_SERVING); Server::SetServingStatus
-  // changes that, e.g. to drain a replica before stopping it.
+  // changes that, e.g. to drain a replica before stopping it. Health checks
+  // are answered on the gRPC port's threads (SetGrpcThreads), so one waits
+  // while inline handlers hold all of them (10-110 ms, until the port's
+  // watchdog adds a thread).
   ServerBuilder& SetHealthService(bool enable);
 
   // Serves gRPC server reflection (grpc.reflection.v1 and v1alpha) on the

@@ -86,6 +86,18 @@ TEST(HealthStatuses, WatchersHearTheStatusThenEachChangeThenTheEnd) {
                                              {S::kServing, false},
                                              {S::kServing, false},
                                              {S::kNotServing, true}}));
+  // At shutdown a watcher of a service the server never knew hears
+  // NOT_SERVING too (as in gRPC), while Check still says NOT_FOUND.
+  Recorder never;
+  HealthStatuses elsewhere({});
+  elsewhere.Watch("no.Such", &never);
+  elsewhere.Shutdown();
+  elsewhere.Unwatch("no.Such", &never);
+  EXPECT_EQ(never.heard,
+            (std::vector<std::pair<S, bool>>{{S::kServiceUnknown, false},
+                                             {S::kNotServing, true}}));
+  EXPECT_EQ(elsewhere.Check(Request("no.Such")).status().code(),
+            absl::StatusCode::kNotFound);
   EXPECT_EQ(other.heard,
             (std::vector<std::pair<S, bool>>{{S::kServing, false}}));
   EXPECT_EQ(*health.Check(Request("demo.Inference")), "\x08\x02");
