@@ -31,7 +31,9 @@ namespace rdmarpc {
 const std::string& ServerContext::method() const {
   return state_->method().descriptor.path;
 }
-std::string ServerContext::peer() const { return state_->peer; }
+std::string ServerContext::peer() const {
+  return state_->peer != nullptr ? *state_->peer : std::string();
+}
 TransportKind ServerContext::transport() const { return state_->transport(); }
 uint64_t ServerContext::call_id() const { return state_->call_id; }
 std::optional<std::chrono::system_clock::time_point> ServerContext::deadline()
@@ -116,6 +118,23 @@ uint64_t StallTicks() {
   }
   return clock.Ticks(kCompletionThreadStall);
 }
+
+// The dispatcher whose handler (or interceptor) this thread is running.
+thread_local const Dispatcher* running_handler_of = nullptr;
+
+bool RunningHandlerOf(const Dispatcher& dispatcher) {
+  return running_handler_of == &dispatcher;
+}
+
+class HandlerScope {
+ public:
+  explicit HandlerScope(const Dispatcher* dispatcher)
+      : was_(std::exchange(running_handler_of, dispatcher)) {}
+  ~HandlerScope() { running_handler_of = was_; }
+
+ private:
+  const Dispatcher* was_;
+};
 
 }  // namespace
 
@@ -288,6 +307,7 @@ class ServerDispatcher final : public Dispatcher {
     const internal::SpinClock& clock = internal::SpinClock::Get();
     const uint64_t began = on_receiver ? clock.Now() : 0;
     size_t admitted = 0;  // interceptors whose BeforeHandler said OK
+    std::optional<HandlerScope> handler_scope(std::in_place, this);
     for (; admitted < interceptors_.size(); ++admitted) {
       status = interceptors_[admitted]->BeforeHandler(&ctx, *request);
       if (!status.ok()) break;
@@ -308,6 +328,7 @@ class ServerDispatcher final : public Dispatcher {
     for (size_t i = admitted; i-- > 0;) {
       interceptors_[i]->AfterHandler(&ctx, &status);
     }
+    handler_scope.reset();
     if (on_receiver) NoteInlineRun(method, clock.Now() - began);
     finish(std::move(status), std::move(response));
   }
@@ -686,6 +707,7 @@ Server::Server() = default;
 Server::~Server() {
   Shutdown();
   Wait();
+  if (shutdown_thread_.joinable()) shutdown_thread_.join();
 }
 
 void Server::Shutdown(std::chrono::system_clock::time_point deadline) {
@@ -693,7 +715,21 @@ void Server::Shutdown(std::chrono::system_clock::time_point deadline) {
     std::lock_guard<std::mutex> lock(mu_);
     if (shutdown_started_) return;
     shutdown_started_ = true;
+    // One of our handlers asks: the shutdown waits for its call too, so it
+    // goes on on a thread of its own. Made under mu_, which FinishShutdown
+    // takes to say it is done, so ~Server sees the thread to join.
+    if (dispatcher_ != nullptr && internal::RunningHandlerOf(*dispatcher_)) {
+      shutdown_thread_ = std::thread([this, deadline] {
+        pthread_setname_np(pthread_self(), "rdmarpc-stop");
+        FinishShutdown(deadline);
+      });
+      return;
+    }
   }
+  FinishShutdown(deadline);
+}
+
+void Server::FinishShutdown(std::chrono::system_clock::time_point deadline) {
   if (dispatcher_) dispatcher_->CloseLogAt(deadline);
   for (auto& t : transports_) t->Shutdown(deadline);
   // Every call has completed; the workers are idle.

@@ -196,7 +196,8 @@ class ServerCallState {
 
   const ServerMethod& method() const { return *method_; }
   TransportKind transport() const { return transport_; }
-  std::string peer;
+  // Shared by the connection's calls: a call copies no string.
+  std::shared_ptr<const std::string> peer;
   // Calls of this call's connection admitted and not yet finished, shared
   // by the connection's calls (ServerBuilder::SetMaxCallsPerConnection);
   // null: not counted.

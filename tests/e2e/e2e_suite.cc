@@ -334,6 +334,65 @@ TEST_P(E2ETest, InlineHandlerWaitingForItsCancelSeesIt) {
   EXPECT_TRUE(stub->Echo(&after, req, &resp).ok());
 }
 
+// A "Quit" method: a handler that shuts its own server down. Shutdown
+// cannot wait for the handler's own call there, so it returns at once and
+// finishes on a thread of its own; with a grace period the call itself
+// still ends OK. Handlers inline (the default) and on the workers.
+TEST_P(E2ETest, AHandlerMayShutItsOwnServerDown) {
+  class Quitting final : public E2E::Service {
+   public:
+    rdmarpc::Status Echo(rdmarpc::ServerContext*, const EchoRequest& req,
+                         EchoResponse* resp) override {
+      if (req.note() == "quit") {
+        server->Shutdown(std::chrono::system_clock::now() +
+                         std::chrono::seconds(60));
+        shutdown_returned.store(true);
+      }
+      resp->set_note(req.note());
+      return absl::OkStatus();
+    }
+    rdmarpc::Server* server = nullptr;
+    std::atomic<bool> shutdown_returned{false};
+  };
+  for (bool inline_handlers : {true, false}) {
+    SCOPED_TRACE(inline_handlers ? "inline handlers" : "worker pool");
+    Quitting service;
+    int port = 0;
+    auto started = rdmarpc::ServerBuilder()
+                       .AddListeningPort("127.0.0.1:0", &port)
+                       .RegisterService(&service)
+                       .SetRunHandlersInline(inline_handlers)
+                       .BuildAndStart();
+    ASSERT_TRUE(started.ok()) << started.status();
+    std::unique_ptr<rdmarpc::Server> server = std::move(*started);
+    service.server = server.get();
+    auto stub = E2E::NewStub(
+        rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                               PatientChannelOptions(GetParam().policy)));
+    EchoRequest req;
+    EchoResponse resp;
+    ClientContext warm;
+    ASSERT_TRUE(stub->Echo(&warm, req, &resp).ok());
+    EXPECT_EQ(warm.stats().transport, GetParam().expected);
+
+    ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(60));
+    req.set_note("quit");
+    rdmarpc::Status s = stub->Echo(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << s;
+    EXPECT_EQ(resp.note(), "quit");
+    EXPECT_TRUE(service.shutdown_returned.load());
+    server->Wait();  // returns: the shutdown finished on its own thread
+    ClientContext after;
+    after.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(10));
+    req.set_note("after");
+    EXPECT_FALSE(stub->Echo(&after, req, &resp).ok());
+    server.reset();  // joins the shutdown's thread
+  }
+}
+
 // A handler run inline may make a blocking call (here to the fixture's
 // server), through the blocking stub or a future it waits for: over RDMA
 // the engine goes on on another thread meanwhile, and on every transport

@@ -32,6 +32,31 @@
 #include "transport/grpc/tsan_tags.h"
 
 namespace rdmarpc::grpc_transport {
+// A message handed to a send operation by moving its ByteBuffer in. gRPC's
+// own traits for a ByteBuffer duplicate it (one allocation per message).
+struct MovedByteBuffer {
+  grpc::ByteBuffer* buffer;
+};
+}  // namespace rdmarpc::grpc_transport
+
+template <>
+class grpc::SerializationTraits<rdmarpc::grpc_transport::MovedByteBuffer,
+                                void> {
+ public:
+  static grpc::Status Serialize(
+      const rdmarpc::grpc_transport::MovedByteBuffer& message,
+      grpc::ByteBuffer* out, bool* own_buffer) {
+    out->Swap(message.buffer);
+    *own_buffer = true;
+    return grpc::Status::OK;
+  }
+  static grpc::Status Deserialize(grpc::ByteBuffer*,
+                                  rdmarpc::grpc_transport::MovedByteBuffer*) {
+    return grpc::Status(grpc::StatusCode::INTERNAL, "a send-only type");
+  }
+};
+
+namespace rdmarpc::grpc_transport {
 namespace {
 
 // Lets ClientContext::TryCancel reach the gRPC call while it runs, and
@@ -342,7 +367,7 @@ class LeanCall {
     return *more;
   }
 
-  // Puts write_buf_ into `ops`, with the half-close when it is the last.
+  // Moves write_buf_ into `ops`, with the half-close when it is the last.
   template <typename Ops>
   void SetMessage(Ops* ops, bool last) {
     grpc::WriteOptions options;
@@ -350,9 +375,10 @@ class LeanCall {
       options.set_buffer_hint();
       ops->ClientSendClose();
     }
-    // Cannot fail for a ByteBuffer (it is only referenced), but gRPC asks
-    // for the status to be read.
-    if (grpc::Status added = ops->SendMessage(write_buf_, options);
+    // Cannot fail (the buffer moves in), but gRPC asks for the status to
+    // be read.
+    if (grpc::Status added =
+            ops->SendMessage(MovedByteBuffer{&write_buf_}, options);
         !added.ok()) {
       FailLocally(FromGrpc(added));
     }

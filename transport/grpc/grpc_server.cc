@@ -121,11 +121,15 @@ class GrpcServerTransport::Service {
   }
   HealthStatuses* health() const { return health_; }
   const ReflectionAnswerer* reflection() const { return reflection_; }
-  // The running-call counter of the TCP connection `peer` (gRPC's peer
-  // string, "ipv4:10.0.0.7:53412", names one connection), shared by its
-  // calls while they hold it.
-  std::shared_ptr<std::atomic<uint32_t>> ConnectionCalls(
-      const std::string& peer);
+  // A TCP connection as its calls see it: gRPC's peer string
+  // ("ipv4:10.0.0.7:53412" names one connection) and its running calls.
+  struct PeerConnection {
+    explicit PeerConnection(std::string name) : peer(std::move(name)) {}
+    const std::string peer;
+    std::atomic<uint32_t> calls{0};
+  };
+  // The connection `peer`, shared by its calls: a call allocates neither.
+  std::shared_ptr<PeerConnection> Connection(std::string peer);
   // A new call object waits for the next call on `queue`: of registered
   // method `method`, or of the generic service when it is kGeneric.
   static constexpr int kGeneric = -1;
@@ -182,26 +186,29 @@ class GrpcServerTransport::Service {
   std::condition_variable gone_;
   uint64_t live_ = 0;  // call objects, armed or serving
   std::mutex connections_mu_;
-  absl::flat_hash_map<std::string, std::weak_ptr<std::atomic<uint32_t>>>
+  absl::flat_hash_map<std::string, std::shared_ptr<PeerConnection>>
       connections_;
   size_t connections_swept_at_ = 64;  // size that triggers the next sweep
 };
 
-std::shared_ptr<std::atomic<uint32_t>>
-GrpcServerTransport::Service::ConnectionCalls(const std::string& peer) {
+std::shared_ptr<GrpcServerTransport::Service::PeerConnection>
+GrpcServerTransport::Service::Connection(std::string peer) {
   std::lock_guard<std::mutex> lock(connections_mu_);
-  std::weak_ptr<std::atomic<uint32_t>>& slot = connections_[peer];
-  if (auto counter = slot.lock()) return counter;
-  auto counter = std::make_shared<std::atomic<uint32_t>>(0);
-  slot = counter;
-  // Entries of connections with no call left expire; drop them now and
-  // then, so that the map follows the connections that have calls.
+  auto found = connections_.find(peer);
+  if (found != connections_.end()) return found->second;
+  // Entries that no call holds (use_count 1: the map's own) belong to
+  // connections with no call left; drop them now and then, so that the
+  // map follows the connections that have calls. Only this function,
+  // under the lock, adds holders, so a count of 1 cannot grow meanwhile.
   if (connections_.size() >= connections_swept_at_) {
-    absl::erase_if(connections_,
-                   [](const auto& entry) { return entry.second.expired(); });
+    absl::erase_if(connections_, [](const auto& entry) {
+      return entry.second.use_count() == 1;
+    });
     connections_swept_at_ = std::max<size_t>(64, 2 * connections_.size());
   }
-  return counter;
+  auto connection = std::make_shared<PeerConnection>(peer);
+  connections_.emplace(std::move(peer), connection);
+  return connection;
 }
 
 namespace {
@@ -338,8 +345,14 @@ class ServerCall final : public HealthWatcher {
           method, TransportKind::kGrpc);
       if (cancelled_) state_->cancelled.store(true);
     }
-    state_->peer = ctx_.peer();
-    state_->connection_calls = service_->ConnectionCalls(state_->peer);
+    {
+      std::shared_ptr<GrpcServerTransport::Service::PeerConnection> connection =
+          service_->Connection(ctx_.peer());
+      state_->peer =
+          std::shared_ptr<const std::string>(connection, &connection->peer);
+      state_->connection_calls = std::shared_ptr<std::atomic<uint32_t>>(
+          connection, &connection->calls);
+    }
     if (ctx_.deadline() != std::chrono::system_clock::time_point::max()) {
       state_->deadline = ctx_.deadline();
     }

@@ -218,7 +218,7 @@ void ClientEndpoint::Start(internal::ClientCall call) {
   if (!fits.ok()) {
     return hooks_.reroute(std::move(call), std::string(fits.message()));
   }
-  auto record = std::make_unique<ClientRecord>();
+  std::unique_ptr<ClientRecord> record = spare_record_.Take();
   auto sources = RegisterSources(*payload, cache, conn->pd());
   if (!sources.ok()) {
     return hooks_.reroute(std::move(call),
@@ -392,13 +392,19 @@ void ClientEndpoint::Complete(Outcomes outcomes) {
     CallStats* stats = internal::ClientContextAccess::mutable_stats(ctx);
     stats->tensor_bytes_received = r.received_bytes;
     stats->cpu_copied_bytes += r.out.cpu_copied_bytes + r.response_copied;
-    if (r.call.done_runs_inline &&
-        (r.call.done_only_wakes || !Connection::PolledForAnotherCaller())) {
+    const bool run_inline =
+        r.call.done_runs_inline &&
+        (r.call.done_only_wakes || !Connection::PolledForAnotherCaller());
+    std::function<void(Status)> done = std::move(r.call.done);
+    // Back before the callback: a caller it wakes starts its next call at
+    // once, and that call's record takes this one's memory.
+    spare_record_.Give(std::move(o.record));
+    if (run_inline) {
       // A callback that blocks here holds up every connection this thread
       // polls: counted, so that it shows (rdma_callback_stalls).
       const internal::SpinClock& clock = internal::SpinClock::Get();
       const uint64_t began = clock.Now();
-      r.call.done(std::move(o.status));
+      done(std::move(o.status));
       if (clock.Now() - began >=
           clock.Ticks(internal::kCompletionThreadStall)) {
         callback_stalls_.fetch_add(1, std::memory_order_relaxed);
@@ -406,7 +412,7 @@ void ClientEndpoint::Complete(Outcomes outcomes) {
       continue;
     }
     internal::RunOnCallbackThread(
-        [done = std::move(r.call.done), status = std::move(o.status)] {
+        [done = std::move(done), status = std::move(o.status)] {
           done(status);
         });
   }

@@ -25,6 +25,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/inlined_vector.h"
+#include "runtime/spare_block.h"
 #include "runtime/transport.h"
 #include "transport/rdma/connection.h"
 #include "transport/rdma/grant_table.h"
@@ -172,6 +173,8 @@ class ClientEndpoint final
   Status closed_;
   // Hashed: a call costs no tree node (heap allocation).
   absl::flat_hash_map<uint64_t, std::unique_ptr<ClientRecord>> calls_;
+  // The last finished call's record memory, for the next Start.
+  internal::SpareBlock<ClientRecord> spare_record_;
   GrantTable grants_;
   std::set<uint64_t> early_cancels_;
   std::chrono::steady_clock::time_point last_pong_;

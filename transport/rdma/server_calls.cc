@@ -70,7 +70,7 @@ ServerEndpoint::ServerEndpoint(internal::Dispatcher* dispatcher,
       shared_(std::move(shared)),
       inline_threshold_(threshold),
       gpu_mode_(gpu_mode),
-      peer_(std::move(peer)),
+      peer_(std::make_shared<const std::string>(std::move(peer))),
       client_id_(client_id) {}
 
 ServerEndpoint::~ServerEndpoint() = default;
@@ -147,7 +147,9 @@ void ServerEndpoint::ForgetLocked(uint64_t call_id) {
   auto it = calls_.find(call_id);
   if (it == calls_.end()) return;
   grants_.Forget(it->second->grant_id);
+  std::unique_ptr<ServerRecord> record = std::move(it->second);
   calls_.erase(it);
+  spare_record_.Give(std::move(record));
 }
 
 void ServerEndpoint::FailLocked(uint64_t call_id, const Status& status,
@@ -235,7 +237,7 @@ Status ServerEndpoint::AdmitRequest(const FrameView& frame, ReadyCalls* ready) {
     return absl::InvalidArgumentError(
         absl::StrCat("call id ", call_id, " is already in flight"));
   }
-  auto record = std::make_unique<ServerRecord>();
+  std::unique_ptr<ServerRecord> record = spare_record_.Take();
   ServerRecord& r = *record;
   calls_.emplace(call_id, std::move(record));
   const internal::ServerMethod* method = dispatcher_->Find(head.method());

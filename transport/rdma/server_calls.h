@@ -27,6 +27,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/inlined_vector.h"
 #include "google/protobuf/message.h"
+#include "runtime/spare_block.h"
 #include "runtime/transport.h"
 #include "transport/rdma/connection.h"
 #include "transport/rdma/grant_table.h"
@@ -176,7 +177,7 @@ class ServerEndpoint final
   std::shared_ptr<ServerShared> shared_;
   const uint64_t inline_threshold_;
   const GpuRdmaMode gpu_mode_;
-  const std::string peer_;
+  const std::shared_ptr<const std::string> peer_;
   // This connection's calls between admission and their handler's end.
   const std::shared_ptr<std::atomic<uint32_t>> calls_running_ =
       std::make_shared<std::atomic<uint32_t>>(0);
@@ -193,6 +194,8 @@ class ServerEndpoint final
   bool closed_ = false;
   // Hashed: a call costs no tree node (heap allocation).
   absl::flat_hash_map<uint64_t, std::unique_ptr<ServerRecord>> calls_;
+  // The last forgotten call's record memory, for the next request.
+  internal::SpareBlock<ServerRecord> spare_record_;
   // Fault injection only: continuations of responses "lost on the wire",
   // run with an error when the connection closes.
   std::vector<std::function<void(Status)>> lost_sends_;

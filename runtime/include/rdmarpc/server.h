@@ -35,6 +35,7 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -420,6 +421,11 @@ class Server {
   // Stops accepting calls; calls still running at `deadline` are cancelled
   // (their clients get CANCELLED or UNAVAILABLE). Returns when every handler
   // has returned and every call has completed. Idempotent.
+  //
+  // Called from one of this server's handlers (a "Quit" method), it cannot
+  // wait for that handler's own call: it starts the shutdown on a thread
+  // of its own and returns at once. The handler's call completes as usual
+  // (within `deadline`), and Wait() returns once the shutdown is done.
   void Shutdown(std::chrono::system_clock::time_point deadline);
   void Shutdown() { Shutdown(std::chrono::system_clock::now()); }
 
@@ -441,6 +447,8 @@ class Server {
  private:
   friend class ServerBuilder;
   Server();
+  // Shutdown's work: waits for the transports, then ends the dispatcher.
+  void FinishShutdown(std::chrono::system_clock::time_point deadline);
 
   std::unique_ptr<internal::ServerDispatcher> dispatcher_;
   std::vector<std::unique_ptr<internal::ServerTransport>> transports_;
@@ -451,6 +459,8 @@ class Server {
   std::condition_variable cv_;
   bool shutdown_started_ = false;
   bool shutdown_done_ = false;
+  // Runs the shutdown a handler started (set under mu_).
+  std::thread shutdown_thread_;
 };
 
 }  // namespace rdmarpc
