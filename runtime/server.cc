@@ -9,6 +9,7 @@
 #include <exception>
 #include <mutex>
 #include <optional>
+#include <system_error>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -719,11 +720,17 @@ void Server::Shutdown(std::chrono::system_clock::time_point deadline) {
     // goes on on a thread of its own. Made under mu_, which FinishShutdown
     // takes to say it is done, so ~Server sees the thread to join.
     if (dispatcher_ != nullptr && internal::RunningHandlerOf(*dispatcher_)) {
-      shutdown_thread_ = std::thread([this, deadline] {
-        pthread_setname_np(pthread_self(), "rdmarpc-stop");
-        FinishShutdown(deadline);
-      });
-      return;
+      try {
+        shutdown_thread_ = std::thread([this, deadline] {
+          pthread_setname_np(pthread_self(), "rdmarpc-stop");
+          FinishShutdown(deadline);
+        });
+        return;
+      } catch (const std::system_error&) {
+        // No thread to be had: shut down here, as before, which waits
+        // for this handler too and so returns only if something else
+        // ends the handler's call.
+      }
     }
   }
   FinishShutdown(deadline);
@@ -734,10 +741,9 @@ void Server::FinishShutdown(std::chrono::system_clock::time_point deadline) {
   for (auto& t : transports_) t->Shutdown(deadline);
   // Every call has completed; the workers are idle.
   dispatcher_.reset();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    shutdown_done_ = true;
-  }
+  // Notified under the lock: a waiter that wakes may destroy the server.
+  std::lock_guard<std::mutex> lock(mu_);
+  shutdown_done_ = true;
   cv_.notify_all();
 }
 

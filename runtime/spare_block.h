@@ -11,8 +11,12 @@
 //   spare.Give(std::move(r));  // destroyed now; its memory kept
 //
 // A record that is never given back is freed by its unique_ptr as usual.
+// Under ASan the kept block is poisoned, so a stale pointer into a record
+// given back still reads as a use after free.
 #ifndef RDMARPC_RUNTIME_SPARE_BLOCK_H_
 #define RDMARPC_RUNTIME_SPARE_BLOCK_H_
+
+#include <sanitizer/asan_interface.h>
 
 #include <atomic>
 #include <memory>
@@ -28,7 +32,10 @@ class SpareBlock {
   SpareBlock& operator=(const SpareBlock&) = delete;
   ~SpareBlock() {
     if (void* block = slot_.exchange(nullptr, std::memory_order_acquire)) {
-      ::operator delete(block, sizeof(T));
+      ASAN_UNPOISON_MEMORY_REGION(block, sizeof(T));
+      // Unsized: clang before 19 declares no sized operator delete by
+      // default; any delete of memory from `new T` may be unsized.
+      ::operator delete(block);
     }
   }
 
@@ -38,6 +45,7 @@ class SpareBlock {
                   "an over-aligned T comes from another operator new");
     void* block = slot_.exchange(nullptr, std::memory_order_acquire);
     if (block == nullptr) return std::make_unique<T>();
+    ASAN_UNPOISON_MEMORY_REGION(block, sizeof(T));
     // The block came from `new T` (make_unique): the unique_ptr's delete
     // frees it with the matching size, like any other.
     return std::unique_ptr<T>(::new (block) T());
@@ -49,10 +57,13 @@ class SpareBlock {
     if (record == nullptr) return;
     T* raw = record.release();
     raw->~T();
+    // Poisoned before it is published: a Take that finds it unpoisons it.
+    ASAN_POISON_MEMORY_REGION(raw, sizeof(T));
     void* empty = nullptr;
     if (!slot_.compare_exchange_strong(empty, raw, std::memory_order_release,
                                        std::memory_order_relaxed)) {
-      ::operator delete(raw, sizeof(T));
+      ASAN_UNPOISON_MEMORY_REGION(raw, sizeof(T));
+      ::operator delete(raw);
     }
   }
 

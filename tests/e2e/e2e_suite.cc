@@ -381,6 +381,7 @@ TEST_P(E2ETest, AHandlerMayShutItsOwnServerDown) {
     req.set_note("quit");
     rdmarpc::Status s = stub->Echo(&ctx, req, &resp);
     EXPECT_TRUE(s.ok()) << s;
+    EXPECT_EQ(ctx.stats().transport, GetParam().expected);
     EXPECT_EQ(resp.note(), "quit");
     EXPECT_TRUE(service.shutdown_returned.load());
     server->Wait();  // returns: the shutdown finished on its own thread

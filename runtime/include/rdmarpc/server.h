@@ -426,6 +426,8 @@ class Server {
   // wait for that handler's own call: it starts the shutdown on a thread
   // of its own and returns at once. The handler's call completes as usual
   // (within `deadline`), and Wait() returns once the shutdown is done.
+  // Wait() and the destructor still wait for every call: neither may be
+  // called from a handler.
   void Shutdown(std::chrono::system_clock::time_point deadline);
   void Shutdown() { Shutdown(std::chrono::system_clock::now()); }
 
