@@ -308,28 +308,29 @@ class ServerDispatcher final : public Dispatcher {
     const internal::SpinClock& clock = internal::SpinClock::Get();
     const uint64_t began = on_receiver ? clock.Now() : 0;
     size_t admitted = 0;  // interceptors whose BeforeHandler said OK
-    std::optional<HandlerScope> handler_scope(std::in_place, this);
-    for (; admitted < interceptors_.size(); ++admitted) {
-      status = interceptors_[admitted]->BeforeHandler(&ctx, *request);
-      if (!status.ok()) break;
-    }
-    if (status.ok()) {
-      std::optional<InlineHandlerScope> inline_scope;
-      if (on_receiver) inline_scope.emplace();
-      try {
-        status = m.handler(&ctx, *request, response.get());
-      } catch (const std::exception& e) {
-        status = absl::InternalError(
-            absl::StrCat("handler of ", m.path, " threw: ", e.what()));
-      } catch (...) {
-        status = absl::InternalError(
-            absl::StrCat("handler of ", m.path, " threw a non-exception"));
+    {
+      const HandlerScope handler_scope(this);
+      for (; admitted < interceptors_.size(); ++admitted) {
+        status = interceptors_[admitted]->BeforeHandler(&ctx, *request);
+        if (!status.ok()) break;
+      }
+      if (status.ok()) {
+        std::optional<InlineHandlerScope> inline_scope;
+        if (on_receiver) inline_scope.emplace();
+        try {
+          status = m.handler(&ctx, *request, response.get());
+        } catch (const std::exception& e) {
+          status = absl::InternalError(
+              absl::StrCat("handler of ", m.path, " threw: ", e.what()));
+        } catch (...) {
+          status = absl::InternalError(
+              absl::StrCat("handler of ", m.path, " threw a non-exception"));
+        }
+      }
+      for (size_t i = admitted; i-- > 0;) {
+        interceptors_[i]->AfterHandler(&ctx, &status);
       }
     }
-    for (size_t i = admitted; i-- > 0;) {
-      interceptors_[i]->AfterHandler(&ctx, &status);
-    }
-    handler_scope.reset();
     if (on_receiver) NoteInlineRun(method, clock.Now() - began);
     finish(std::move(status), std::move(response));
   }
