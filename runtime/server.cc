@@ -682,6 +682,10 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
       return stats;
     };
   }
+  // Calls may come in once the gRPC port is up, before the transports are
+  // in place: a handler's Shutdown (or stats) waits for this lock, so it
+  // sees them all. (Released before `server` goes on an error return.)
+  std::lock_guard<std::mutex> built(server->mu_);
   RDMARPC_ASSIGN_OR_RETURN(
       auto grpc, grpc_transport::GrpcServerTransport::Start(
                      ports_,
@@ -740,8 +744,19 @@ void Server::Shutdown(std::chrono::system_clock::time_point deadline) {
 void Server::FinishShutdown(std::chrono::system_clock::time_point deadline) {
   if (dispatcher_) dispatcher_->CloseLogAt(deadline);
   for (auto& t : transports_) t->Shutdown(deadline);
-  // Every call has completed; the workers are idle.
-  dispatcher_.reset();
+  // Every call has completed; the workers are idle. The final counts stay
+  // readable; the dispatcher leaves under mu_, which the stats take, and
+  // ends (joining its workers) outside it.
+  std::unique_ptr<internal::ServerDispatcher> ended;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (dispatcher_) {
+      final_call_log_stats_ = CallLogStatsLocked();
+      final_handler_stats_ = dispatcher_->handler_stats();
+    }
+    ended = std::move(dispatcher_);
+  }
+  ended.reset();
   // Notified under the lock: a waiter that wakes may destroy the server.
   std::lock_guard<std::mutex> lock(mu_);
   shutdown_done_ = true;
@@ -765,19 +780,24 @@ Status Server::SetServingStatus(const std::string& service, bool serving) {
 
 RdmaServerStats Server::rdma_stats() const { return rdma_stats_(); }
 
-CallLogStats Server::call_log_stats() const {
+CallLogStats Server::CallLogStatsLocked() const {
+  if (!dispatcher_) return final_call_log_stats_;
+  internal::CallLog::Stats log = dispatcher_->call_log_stats();
   CallLogStats stats;
-  if (dispatcher_) {
-    internal::CallLog::Stats log = dispatcher_->call_log_stats();
-    stats.calls_logged = log.records;
-    stats.repeats_answered = log.repeats_answered;
-    stats.repeats_refused = log.repeats_refused;
-  }
+  stats.calls_logged = log.records;
+  stats.repeats_answered = log.repeats_answered;
+  stats.repeats_refused = log.repeats_refused;
   return stats;
 }
 
+CallLogStats Server::call_log_stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return CallLogStatsLocked();
+}
+
 HandlerStats Server::handler_stats() const {
-  return dispatcher_ ? dispatcher_->handler_stats() : HandlerStats{};
+  std::lock_guard<std::mutex> lock(mu_);
+  return dispatcher_ ? dispatcher_->handler_stats() : final_handler_stats_;
 }
 
 void Server::Wait() {

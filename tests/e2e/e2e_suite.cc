@@ -394,6 +394,46 @@ TEST_P(E2ETest, AHandlerMayShutItsOwnServerDown) {
   }
 }
 
+// The stats may be read while the server shuts down (from another
+// thread), and afterwards they say what the server did.
+TEST_P(E2ETest, StatsStayReadableThroughShutdown) {
+  int port = 0;
+  E2EService service;
+  auto started = rdmarpc::ServerBuilder()
+                     .AddListeningPort("127.0.0.1:0", &port)
+                     .RegisterService(&service)
+                     .BuildAndStart();
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<rdmarpc::Server> server = std::move(*started);
+  auto stub = E2E::NewStub(
+      rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                             PatientChannelOptions(GetParam().policy)));
+  constexpr int kCalls = 3;
+  for (int i = 0; i < kCalls; ++i) {
+    ClientContext ctx;
+    EchoRequest req;
+    EchoResponse resp;
+    ASSERT_TRUE(stub->Echo(&ctx, req, &resp).ok());
+    EXPECT_EQ(ctx.stats().transport, GetParam().expected);
+  }
+  const uint64_t handled = server->handler_stats().started;
+  EXPECT_GE(handled, uint64_t{kCalls});
+  std::atomic<bool> stop{false};
+  std::atomic<int> reads{0};
+  std::thread reader([&] {
+    while (!stop.load()) {
+      (void)server->handler_stats();
+      (void)server->call_log_stats();
+      reads.fetch_add(1);
+    }
+  });
+  while (reads.load() == 0) std::this_thread::yield();
+  server->Shutdown();
+  stop.store(true);
+  reader.join();
+  EXPECT_EQ(server->handler_stats().started, handled);
+}
+
 // A handler run inline may make a blocking call (here to the fixture's
 // server), through the blocking stub or a future it waits for: over RDMA
 // the engine goes on on another thread meanwhile, and on every transport

@@ -440,8 +440,9 @@ class Server {
   // service or once shutdown has begun.
   Status SetServingStatus(const std::string& service, bool serving);
 
-  // The RDMA transport's counters, the call log's and the handlers' (zero
-  // once shut down).
+  // The RDMA transport's counters, the call log's and the handlers'. Once
+  // shut down, the call log's and the handlers' read as the shutdown left
+  // them.
   RdmaServerStats rdma_stats() const;
   CallLogStats call_log_stats() const;
   HandlerStats handler_stats() const;
@@ -451,14 +452,19 @@ class Server {
   Server();
   // Shutdown's work: waits for the transports, then ends the dispatcher.
   void FinishShutdown(std::chrono::system_clock::time_point deadline);
+  CallLogStats CallLogStatsLocked() const;  // mu_ held
 
   std::unique_ptr<internal::ServerDispatcher> dispatcher_;
   std::vector<std::unique_ptr<internal::ServerTransport>> transports_;
   std::function<RdmaServerStats()> rdma_stats_;
   std::set<std::string> service_names_;
   std::function<Status(const std::string&, bool)> set_serving_status_;
-  std::mutex mu_;
+  // Guards dispatcher_'s end against the stats that read it, and the
+  // shutdown's state below.
+  mutable std::mutex mu_;
   std::condition_variable cv_;
+  CallLogStats final_call_log_stats_;  // set as the dispatcher ends
+  HandlerStats final_handler_stats_;
   bool shutdown_started_ = false;
   bool shutdown_done_ = false;
   // Runs the shutdown a handler started (set under mu_).
