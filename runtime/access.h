@@ -20,11 +20,13 @@ namespace rdmarpc::internal {
 class ClientContextAccess {
  public:
   static CallStats* mutable_stats(ClientContext* ctx) { return &ctx->stats_; }
-  // Attaches the transport's canceller; false (and not attached) if
-  // TryCancel() already ran.
+  // Attaches the transport's canceller for the call `call_id` (what
+  // TryCancel passes to Cancel); false (and not attached) if TryCancel()
+  // already ran.
   static bool AttachCanceller(ClientContext* ctx,
-                              std::shared_ptr<CallCanceller> canceller) {
-    return ctx->AttachCanceller(std::move(canceller));
+                              std::shared_ptr<CallCanceller> canceller,
+                              uint64_t call_id) {
+    return ctx->AttachCanceller(std::move(canceller), call_id);
   }
   static void DetachCanceller(ClientContext* ctx) { ctx->DetachCanceller(); }
   // What the server sent with the response; replaces what an earlier

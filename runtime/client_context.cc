@@ -38,11 +38,13 @@ void ClientContext::TryCancel() {
       before, (before | kCancelled) + kReader)) {
   }
   std::shared_ptr<internal::CallCanceller> canceller;
+  uint64_t call_id = 0;
   if ((before & kAttached) != 0 && (before & kCancelled) == 0) {
     canceller = canceller_;
+    call_id = canceller_call_id_;
   }
   canceller_state_.fetch_sub(kReader);
-  if (canceller) canceller->Cancel();
+  if (canceller) canceller->Cancel(call_id);
 }
 
 void ClientContext::UnpublishCanceller() {
@@ -52,9 +54,10 @@ void ClientContext::UnpublishCanceller() {
 }
 
 bool ClientContext::AttachCanceller(
-    std::shared_ptr<internal::CallCanceller> canceller) {
+    std::shared_ptr<internal::CallCanceller> canceller, uint64_t call_id) {
   UnpublishCanceller();  // a call re-sent may attach again
   canceller_ = std::move(canceller);
+  canceller_call_id_ = call_id;
   if ((canceller_state_.fetch_or(kAttached) & kCancelled) != 0) {
     // Cancelled before: no TryCancel reads it from now on.
     canceller_state_.fetch_and(~kAttached);

@@ -35,7 +35,7 @@ class TransportRouter::ParkedCanceller final : public CallCanceller {
  public:
   ParkedCanceller(TransportRouter* router, uint64_t ticket)
       : router_(router), ticket_(ticket) {}
-  void Cancel() override {
+  void Cancel(uint64_t /*call_id: one canceller per parking*/) override {
     std::optional<ClientCall> call;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -65,7 +65,8 @@ bool TransportRouter::ParkLocked(ClientCall& call) {
                       (*deadline - std::chrono::system_clock::now());
   }
   parked.canceller = std::make_shared<ParkedCanceller>(this, parked.ticket);
-  if (!ClientContextAccess::AttachCanceller(call.ctx, parked.canceller)) {
+  if (!ClientContextAccess::AttachCanceller(call.ctx, parked.canceller,
+                                            call.call_id)) {
     return false;
   }
   parked.call = std::move(call);

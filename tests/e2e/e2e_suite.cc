@@ -223,6 +223,32 @@ TEST_P(E2ETest, ClientCancellationGivesCancelledOnce) {
   EXPECT_EQ(callbacks.load(), 1);
 }
 
+// Cancelling one of two calls in flight on the same connection ends that
+// call only (over RDMA the connection's one canceller serves both).
+TEST_P(E2ETest, CancellingOneCallLeavesItsNeighbourRunning) {
+  ClientContext kept_ctx, cancelled_ctx;
+  EchoRequest kept_req, cancelled_req;
+  kept_req.set_sleep_ms(1500);
+  cancelled_req.set_sleep_ms(20000);
+  EchoResponse kept_resp, cancelled_resp;
+  std::promise<rdmarpc::Status> kept, cancelled;
+  stub_->Slow(&kept_ctx, kept_req, &kept_resp,
+              [&](rdmarpc::Status s) { kept.set_value(s); });
+  stub_->Slow(&cancelled_ctx, cancelled_req, &cancelled_resp,
+              [&](rdmarpc::Status s) { cancelled.set_value(s); });
+  for (int i = 0; i < 6000 && service_.slow_started.load() < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(service_.slow_started.load(), 2);
+  cancelled_ctx.TryCancel();
+  EXPECT_EQ(cancelled.get_future().get().code(), absl::StatusCode::kCancelled);
+  rdmarpc::Status kept_status = kept.get_future().get();
+  EXPECT_TRUE(kept_status.ok()) << kept_status;
+  EXPECT_EQ(kept_resp.note(), "slept");
+  EXPECT_EQ(kept_ctx.stats().transport, GetParam().expected);
+  EXPECT_EQ(cancelled_ctx.stats().transport, GetParam().expected);
+}
+
 // A blocking call is driven on its caller's thread (over gRPC through a
 // completion queue of its own): cancelling it from another thread ends it.
 TEST_P(E2ETest, BlockingCallCancelledFromAnotherThreadGivesCancelled) {

@@ -64,7 +64,7 @@ namespace {
 // applied when it starts.
 class GrpcCanceller final : public internal::CallCanceller {
  public:
-  void Cancel() override {
+  void Cancel(uint64_t /*call_id: one canceller per call*/) override {
     std::lock_guard<std::mutex> lock(mu_);
     cancelled_ = true;
     if (call_ != nullptr) grpc_call_cancel(call_, nullptr);
@@ -225,7 +225,8 @@ class LeanCall {
         GRPC_INITIAL_METADATA_WAIT_FOR_READY_EXPLICITLY_SET |
         (ctx->wait_for_ready() ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0u);
     canceller_ = std::make_shared<GrpcCanceller>();
-    if (!internal::ClientContextAccess::AttachCanceller(ctx, canceller_)) {
+    if (!internal::ClientContextAccess::AttachCanceller(ctx, canceller_,
+                                                        call_.call_id)) {
       return absl::CancelledError("call cancelled before start");
     }
     return absl::OkStatus();
@@ -353,7 +354,7 @@ class LeanCall {
       std::lock_guard<std::mutex> lock(mu_);
       local_error_ = std::move(s);
     }
-    canceller_->Cancel();
+    canceller_->Cancel(call_.call_id);
   }
 
   // Fills write_buf_ with the next request message: false when none is left

@@ -76,6 +76,22 @@ uint64_t OutOfBandBytes(const google::protobuf::RepeatedPtrField<Part>& parts) {
   return bytes;
 }
 
+// The endpoint's one canceller, attached to each of its calls: a context
+// may hold it past the endpoint's end (a TryCancel racing the call's end).
+class RdmaCanceller final : public internal::CallCanceller {
+ public:
+  explicit RdmaCanceller(std::weak_ptr<ClientEndpoint> endpoint)
+      : endpoint_(std::move(endpoint)) {}
+  void Cancel(uint64_t call_id) override {
+    if (auto ep = endpoint_.lock()) {
+      ep->Cancel(call_id, absl::CancelledError("call cancelled by the client"));
+    }
+  }
+
+ private:
+  std::weak_ptr<ClientEndpoint> endpoint_;
+};
+
 }  // namespace
 
 ClientEndpoint::ClientEndpoint(internal::FastPathHooks hooks,
@@ -91,6 +107,7 @@ ClientEndpoint::ClientEndpoint(internal::FastPathHooks hooks,
 ClientEndpoint::~ClientEndpoint() = default;
 
 void ClientEndpoint::Attach(std::shared_ptr<Connection> conn) {
+  canceller_ = std::make_shared<RdmaCanceller>(weak_from_this());
   std::lock_guard<std::mutex> lock(mu_);
   conn_ = std::move(conn);
   cache_ = RegistrationCache::Create(conn_->pd());
@@ -140,22 +157,6 @@ void ClientEndpoint::WaitClosed() {
 }
 
 namespace {
-
-class RdmaCanceller final : public internal::CallCanceller {
- public:
-  RdmaCanceller(std::weak_ptr<ClientEndpoint> endpoint, uint64_t call_id)
-      : endpoint_(std::move(endpoint)), call_id_(call_id) {}
-  void Cancel() override {
-    if (auto ep = endpoint_.lock()) {
-      ep->Cancel(call_id_,
-                 absl::CancelledError("call cancelled by the client"));
-    }
-  }
-
- private:
-  std::weak_ptr<ClientEndpoint> endpoint_;
-  uint64_t call_id_;
-};
 
 std::multimap<std::string, std::string> MetadataMap(
     const google::protobuf::RepeatedPtrField<Metadata>& entries) {
@@ -244,20 +245,18 @@ void ClientEndpoint::Start(internal::ClientCall call) {
   // calls_ owns the record from here; mu_ keeps it while the frame goes.
   const ClientRecord* sending = record.get();
   record->call = std::move(call);
-  if (!internal::ClientContextAccess::AttachCanceller(
-          ctx, std::make_shared<RdmaCanceller>(shared_from_this(), call_id))) {
-    auto done = std::move(record->call.done);
-    return done(absl::CancelledError("call cancelled before start"));
-  }
   Outcomes outcomes;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    bool cancelled = early_cancels_.erase(call_id) > 0;
     calls_.emplace(call_id, std::move(record));
     // Through conn_, as FinishLocked takes it back (null once closed).
     if (conn_) conn_->calls_waiting.fetch_add(1);
-    if (cancelled) {
-      FinishLocked(call_id, absl::CancelledError("call cancelled"), &outcomes);
+    // Attached with the call in calls_, under mu_, which Cancel takes: a
+    // cancel that does not find its call came after the call ended.
+    if (!internal::ClientContextAccess::AttachCanceller(ctx, canceller_,
+                                                        call_id)) {
+      FinishLocked(call_id, absl::CancelledError("call cancelled before start"),
+                   &outcomes);
     } else {
       Status sent = conn->SendFrame(FrameType::kRequest, &*head,
                                     sending->out.inline_parts, nullptr,
@@ -298,12 +297,9 @@ void ClientEndpoint::Cancel(uint64_t call_id, Status why) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = calls_.find(call_id);
-    if (!closed_.ok()) return;
-    if (it == calls_.end()) {
-      // Cancelled between AttachCanceller and the send (or just finished).
-      early_cancels_.insert(call_id);
-      return;
-    }
+    // Not found: the call ended before this cancel came (Start puts a call
+    // in calls_ before its canceller is attached).
+    if (!closed_.ok() || it == calls_.end()) return;
     ClientRecord& r = *it->second;
     if (r.stage == ClientRecord::Stage::kAwaitResponseData ||
         r.stage == ClientRecord::Stage::kEndingGrant) {

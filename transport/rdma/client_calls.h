@@ -19,7 +19,6 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -165,6 +164,8 @@ class ClientEndpoint final
   // reads it (and cache_, never reset, only cleared on close) without mu_.
   // The transport that calls Start holds the connection for its whole life.
   Connection* attached_ = nullptr;
+  // Set at Attach, attached to every call (RdmaCanceller).
+  std::shared_ptr<internal::CallCanceller> canceller_;
   // Whether closed_ is set: health() and Start read it without mu_.
   std::atomic<bool> lost_{false};
   mutable std::mutex mu_;
@@ -176,7 +177,6 @@ class ClientEndpoint final
   // The last finished call's record memory, for the next Start.
   internal::SpareBlock<ClientRecord> spare_record_;
   GrantTable grants_;
-  std::set<uint64_t> early_cancels_;
   std::chrono::steady_clock::time_point last_pong_;
   bool shutting_down_ = false;
   bool on_closed_done_ = false;

@@ -52,10 +52,12 @@ struct CallStats {
 
 namespace internal {
 // A transport's handle on a running call, so the context can cancel it.
+// One canceller may serve many calls (an RDMA connection has one for all of
+// its calls): Cancel gets the id the call was attached with.
 class CallCanceller {
  public:
   virtual ~CallCanceller() = default;
-  virtual void Cancel() = 0;
+  virtual void Cancel(uint64_t call_id) = 0;
 };
 class ClientContextAccess;
 }  // namespace internal
@@ -175,7 +177,8 @@ class ClientContext {
 
  private:
   friend class internal::ClientContextAccess;
-  bool AttachCanceller(std::shared_ptr<internal::CallCanceller> canceller);
+  bool AttachCanceller(std::shared_ptr<internal::CallCanceller> canceller,
+                       uint64_t call_id);
   void DetachCanceller();
   // Clears kAttached and waits for the cancellers' readers to go.
   void UnpublishCanceller();
@@ -204,6 +207,7 @@ class ClientContext {
   static constexpr uint32_t kReader = 4;  // readers count in the bits above
   std::atomic<uint32_t> canceller_state_{0};
   std::shared_ptr<internal::CallCanceller> canceller_;
+  uint64_t canceller_call_id_ = 0;  // changed with canceller_
 };
 
 }  // namespace rdmarpc
