@@ -55,10 +55,11 @@ TEST(ClientContextTest, ADetachedCancellerIsNotCancelled) {
   EXPECT_EQ(first.use_count(), 1);
   // A call re-sent attaches again; the cancel reaches that one only.
   auto second = std::make_shared<CountingCanceller>();
-  ASSERT_TRUE(ClientContextAccess::AttachCanceller(&ctx, second, 1));
+  ASSERT_TRUE(ClientContextAccess::AttachCanceller(&ctx, second, 2));
   ctx.TryCancel();
   EXPECT_EQ(first->cancels.load(), 0);
   EXPECT_EQ(second->cancels.load(), 1);
+  EXPECT_EQ(second->last_call_id.load(), 2u);
   ClientContextAccess::DetachCanceller(&ctx);
 }
 
