@@ -290,6 +290,29 @@ target64() {
 COMMAND_TEXT="3 rounds of: ib_write_bw -d $dev -R -s 67108864 -n 5 [$addr]; $bin/rpc_bench throughput rdma 67108864" \
   run target64 target64
 small_calls rdma rdma-inline
+# apart STYLE: 64 B calls with inline handlers, the server in this process
+# (system rdma-inline) and then in its own (rdma-inline-apart: rpc_bench
+# serve), as a deployment runs them. STYLE is blocking, or chained:
+# callback calls, each issued from the previous one's callback (inflight 1).
+apart() {
+  local style="$1" port
+  local -a args=(blocking rdma-inline 64)
+  [[ "$style" == chained ]] && args=(inflight rdma-inline 1)
+  "$bin/rpc_bench" "${args[@]}" |
+    awk -F, -v p="$style" '{print "apart,rdma-inline," p "," $4 "," $5 "," $6}'
+  coproc server { "$bin/rpc_bench" serve rdma-inline; }
+  read -r _ port <&"${server[0]}"
+  RDMARPC_BENCH_SERVER_PORT="$port" "$bin/rpc_bench" "${args[@]}" |
+    awk -F, -v p="$style" '{print "apart,rdma-inline-apart," p "," $4 "," $5 "," $6}'
+  exec {server[1]}>&-
+  wait "$server_PID"
+}
+for round in 1 2 3; do
+  for style in blocking chained; do
+    COMMAND_TEXT="$bin/rpc_bench blocking rdma-inline 64 | inflight rdma-inline 1, then the same with RDMARPC_BENCH_SERVER_PORT set to a $bin/rpc_bench serve rdma-inline" \
+      run apart apart "$style"
+  done
+done
 run throughput "$bin/rpc_bench" throughput rdma $big_rdma
 run pipelined "$bin/rpc_bench" pipelined rdma 4096 65536
 for sys in rdma rdma-inline; do

@@ -153,6 +153,33 @@ def main():
         if r is not None:
             targets.append((f"RDMA 64 B round trip, {label} <= {bound} x "
                             "(2 x ib_send_lat)", r, r <= bound))
+    # The callback API again, without the bench's hop back to its waiting
+    # thread: each call issued from the previous one's callback.
+    r = ratio(get("apart", "rdma-inline", "p50").get("chained"), ref64)
+    if r is not None:
+        targets.append(("RDMA 64 B round trip, callback API chained (next "
+                        "call from the callback), inline handlers <= 4 x "
+                        "(2 x ib_send_lat)", r, r <= 4))
+    together = {m: get("apart", "rdma-inline", m) for m in ("p50", "p99")}
+    apart = {m: get("apart", "rdma-inline-apart", m) for m in ("p50", "p99")}
+    if apart["p50"]:
+        md += ["## RDMA 64 B calls, server in its own process", "",
+               "The other RDMA rows run client and server in one process, "
+               "where one engine polls for both; a deployment runs them "
+               "apart (`rpc_bench serve`, then `RDMARPC_BENCH_SERVER_PORT`). "
+               "Inline handlers. Blocking stubs, or callback calls chained "
+               "(each issued from the previous one's callback: `inflight "
+               "1`). Medians of 3 rounds.", "",
+               "| calls | one process p50 (us) | p99 (us) | apart p50 (us) "
+               "| p99 (us) | ratio, one process | ratio, apart |",
+               "|---|---|---|---|---|---|---|"]
+        for style in ("blocking", "chained"):
+            one, two = together["p50"].get(style), apart["p50"].get(style)
+            md.append(f"| {style} | {fmt(one)} | "
+                      f"{fmt(together['p99'].get(style))} | {fmt(two)} | "
+                      f"{fmt(apart['p99'].get(style))} | "
+                      f"{fmt(ratio(one, ref64))} | {fmt(ratio(two, ref64))} |")
+        md += ["", "Ratios: to 2 x ib_send_lat at 64 B.", ""]
     bw = get("throughput", "rdma", "throughput")
     wbw = get("perftest", "ib_write_bw", "bw_average")
     if bw:

@@ -31,6 +31,13 @@
 //   rpc_bench threshold   rdma SIZES...     round trip p50 with the tensor
 //                                           in the SEND and by RDMA WRITE
 //                                           (what sets the inline threshold)
+//   rpc_bench serve       SYSTEM            only the server: prints "port N"
+//                                           and serves until stdin closes
+//
+// RDMARPC_BENCH_SERVER_PORT=N makes the experiments call the server of
+// `rpc_bench serve` on port N, in its own process, instead of starting
+// servers in this one (one server: not for fanout). CPU and allocations
+// per call then count the client's end only.
 //
 // RDMARPC_BENCH_UNDER_VALGRIND=1 gives the RDMA handshake minutes, turns
 // the peer timeout off and counts an inline handler as a stall only past
@@ -340,6 +347,10 @@ struct System {
   std::vector<std::unique_ptr<StockServer>> stock_servers;
 
   int StartServer() {
+    // Another process's server (rpc_bench serve), as a deployment has.
+    if (const char* port = std::getenv("RDMARPC_BENCH_SERVER_PORT")) {
+      return std::atoi(port);
+    }
     if (name == "stock") {
       stock_servers.push_back(std::make_unique<StockServer>());
       return stock_servers.back()->port();
@@ -490,10 +501,11 @@ std::vector<double> ClosedLoop(std::vector<std::unique_ptr<Target>>& targets,
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 4) {
+  const bool serve = argc == 3 && std::string_view(argv[1]) == "serve";
+  if (argc < 4 && !serve) {
     std::fprintf(stderr,
                  "usage: %s latency|blocking|throughput|pipelined|inflight|"
-                 "connections|idle|"
+                 "connections|idle|serve|"
                  "interference|fanout|threshold "
                  "rdma|grpc|rdma-inline|grpc-inline|rdma-pollers2-inline|"
                  "rdma-own-receives|rdma-own-sends|stock "
@@ -524,6 +536,14 @@ int main(int argc, char** argv) {
     setenv("RDMARPC_RDMA_SHARED_RECEIVES", "0", 1);
   if (g_system == "rdma-own-sends")
     setenv("RDMARPC_RDMA_SEND_POOL_BUFFERS", "0", 1);
+  if (serve) {
+    // Only the server, until stdin closes.
+    std::printf("port %d\n", sys.StartServer());
+    std::fflush(stdout);
+    while (std::getchar() != EOF) {
+    }
+    return 0;
+  }
   if (g_experiment == "latency" || g_experiment == "blocking" ||
       g_experiment == "throughput") {
     auto target = sys.Connect(sys.StartServer(), 0);

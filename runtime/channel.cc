@@ -190,10 +190,6 @@ class CallWaiter {
         cv_.wait(lock, [this] { return woken_; });
       }
     }
-    // Slept or not, the round trip sizes the next spin.
-    if (spin_from != 0) {
-      internal::RecordRoundTrip(internal::SpinClock::Get().Now() - spin_from);
-    }
     return std::move(status_);
   }
 

@@ -55,6 +55,7 @@ const SpinLimits& Limits() {
 // Moving average of round trips in ticks, weight 1/8 per sample; races
 // between recorders lose a sample, which an average can afford.
 std::atomic<uint64_t> average_round_trip{0};
+std::atomic<uint64_t> round_trips_seen{0};
 
 }  // namespace
 
@@ -73,7 +74,15 @@ void SetSpinForTesting(std::chrono::microseconds spin) {
                          std::memory_order_relaxed);
 }
 
+uint64_t RoundTripsSeenForTesting() {
+  return round_trips_seen.load(std::memory_order_relaxed);
+}
+
 void RecordRoundTrip(uint64_t ticks) {
+  // Not an atomic increment: this runs once per call, and a test that
+  // reads it makes its calls one at a time.
+  round_trips_seen.store(round_trips_seen.load(std::memory_order_relaxed) + 1,
+                         std::memory_order_relaxed);
   // A call slower than the longest spin could not have been caught by
   // spinning; counting it would only make every spin burn the maximum.
   if (ticks > Limits().max) return;

@@ -48,6 +48,9 @@ struct ClientRecord {
   uint64_t response_copied = 0;
   std::optional<Clock::time_point> deadline;
   std::chrono::steady_clock::time_point sent_at;
+  // SpinClock time the request was posted: its response's round trip
+  // sizes the spins of the process's engines and blocking callers.
+  uint64_t posted_ticks = 0;
   // For the progress watch: when the call last moved (sent, a frame for it
   // came, a write of it completed, the server said its handler runs), and
   // how long its bytes in flight may take beyond the peer timeout.
@@ -233,6 +236,7 @@ void ClientEndpoint::Start(internal::ClientCall call) {
   const auto sent_at = internal::CoarseSteadyNow();
   record->sent_at = sent_at;
   record->moved_at = sent_at;
+  record->posted_ticks = internal::SpinClock::Get().Now();
   // Written parts wait for the server to allocate and register landing
   // memory for them, which takes time in proportion to their size.
   record->in_flight_allowance = AllowanceFor(record->out.tensor_bytes);
@@ -522,6 +526,9 @@ Status ClientEndpoint::OnResponse(const FrameView& frame, Outcomes* outcomes) {
     return absl::InvalidArgumentError(
         absl::StrCat("second response for call ", head.call_id()));
   }
+  // Every call's round trip, callback or blocking: a process that only
+  // chains callback calls needs its engines to spin across them as well.
+  internal::RecordRoundTrip(internal::SpinClock::Get().Now() - r.posted_ticks);
   r.moved_at = internal::CoarseSteadyNow();
   r.in_flight_allowance = AllowanceFor(OutOfBandBytes(head.parts()));
   // The caller reads them only once the call completed; a re-send over

@@ -881,6 +881,36 @@ TEST(RdmaTransport, CallbacksRunOnTheCallbackThreadWhenAsked) {
   EXPECT_EQ(blocking_ctx.stats().transport, rdmarpc::TransportKind::kRdma);
 }
 
+// Every RDMA response gives its round trip to the spin, whichever API made
+// the call: a process that only chains callback calls would otherwise spin
+// 50 us at most and sleep between calls on a slow wire.
+TEST(RdmaTransport, EveryApiFeedsTheSpinWithItsRoundTrips) {
+  Service service;
+  int port = 0;
+  auto server = StartServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  auto stub = E2E::NewStub(RdmaChannel(port));
+  ASSERT_TRUE(EchoOnce(stub.get(), 64, 1));  // connected over RDMA
+  const uint64_t before = rdmarpc::internal::RoundTripsSeenForTesting();
+  for (int i = 0; i < 3; ++i) {
+    ClientContext ctx;
+    EchoRequest req;
+    EchoResponse resp;
+    std::promise<rdmarpc::Status> done;
+    stub->Echo(&ctx, req, &resp, [&](rdmarpc::Status s) { done.set_value(s); });
+    rdmarpc::Status s = done.get_future().get();
+    ASSERT_TRUE(s.ok()) << s;
+    ASSERT_EQ(ctx.stats().transport, rdmarpc::TransportKind::kRdma);
+  }
+  ClientContext future_ctx;
+  EchoRequest req;
+  EchoResponse resp;
+  rdmarpc::Status s = stub->EchoFuture(&future_ctx, req, &resp).get();
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_TRUE(EchoOnce(stub.get(), 64, 2));
+  EXPECT_EQ(rdmarpc::internal::RoundTripsSeenForTesting() - before, 5u);
+}
+
 // An inline callback that holds the completion thread shows in the
 // channel's stats.
 TEST(RdmaTransport, ACallbackThatHoldsTheCompletionThreadIsCounted) {
