@@ -79,8 +79,9 @@ uint64_t RoundTripsSeenForTesting() {
 }
 
 void RecordRoundTrip(uint64_t ticks) {
-  // Not an atomic increment: this runs once per call, and a test that
-  // reads it makes its calls one at a time.
+  // Not an atomic increment: this runs once per response, and recorders
+  // that race lose a count, which a test making one call at a time does
+  // not see.
   round_trips_seen.store(round_trips_seen.load(std::memory_order_relaxed) + 1,
                          std::memory_order_relaxed);
   // A call slower than the longest spin could not have been caught by

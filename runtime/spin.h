@@ -5,16 +5,14 @@
 //   const SpinClock& clock = SpinClock::Get();
 //   uint64_t until = clock.Now() + SpinTicks();
 //   while (!ready() && clock.Now() < until) CpuRelax();
-//   RecordRoundTrip(clock.Now() - start);
+//   // The RDMA client, as each response comes:
+//   RecordRoundTrip(clock.Now() - posted);
 //
 // The spin follows the round trips the process sees: twice their moving
 // average, at least 50 us and at most 2 ms, so a call answered within about
 // one round trip is caught spinning whether the wire takes 3 us (a NIC) or
-// 300 us (soft-RoCE under emulation). Its samples: every RDMA call's round
-// trip, whichever API made it, and every sleep of an engine that a
-// completion ended within 2 ms of the one before (a server's engine sees no
-// round trips of its own: those gaps are its clients' pace).
-// RDMARPC_RDMA_SPIN_US fixes it instead.
+// 300 us (soft-RoCE under emulation): every RDMA call's round trip is a
+// sample, whichever API made it. RDMARPC_RDMA_SPIN_US fixes it instead.
 //
 // The clock is the CPU's cycle counter on x86-64 (calibrated once against
 // steady_clock, 5 ms on first use): in a VM whose clock source is hpet
@@ -63,8 +61,7 @@ void SetSpinForTesting(std::chrono::microseconds spin);
 
 // Feeds the moving average behind SpinTicks() with one RDMA round trip
 // (SpinClock ticks from posting a request to seeing its response, whatever
-// API made the call), or with the gap before a completion that woke a
-// sleeping engine.
+// API made the call).
 void RecordRoundTrip(uint64_t ticks);
 // Tests: how many round trips RecordRoundTrip was given, counting those
 // too slow to join the average (races between recorders may lose one).

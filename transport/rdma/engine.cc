@@ -569,14 +569,8 @@ void Engine::Loop() {
     if (progress) continue;
     if (!Drain()) return;
     pass_began_.store(0, std::memory_order_relaxed);
-    const bool completions = HandleEpoll(-1);
-    const uint64_t woke = clock.Now();
-    // Woken by a completion soon after the last one: a longer spin would
-    // have caught it without the sleep. The gap sizes the spin as a round
-    // trip does (one too long to catch is ignored there), and it is all
-    // that tells a server's engine the pace of its clients' calls.
-    if (completions) internal::RecordRoundTrip(woke - last_progress_);
-    last_progress_ = woke;
+    HandleEpoll(-1);
+    last_progress_ = clock.Now();
     loop_pass_began_ = last_progress_;
     pass_began_.store(loop_pass_began_, std::memory_order_relaxed);
   }
@@ -599,10 +593,9 @@ std::chrono::steady_clock::time_point Engine::NotStillBeforeHere(
           long_pass_ended_.load(std::memory_order_relaxed)));
 }
 
-bool Engine::HandleEpoll(int timeout_ms) {
+void Engine::HandleEpoll(int timeout_ms) {
   epoll_event events[64];
   int n = epoll_wait(epoll_fd_.get(), events, 64, timeout_ms);
-  bool completions = false;
   for (int i = 0; i < n; ++i) {
     uint64_t data = events[i].data.u64;
     if (data == 0) {
@@ -618,10 +611,8 @@ bool Engine::HandleEpoll(int timeout_ms) {
       ReadAsyncEvents(reinterpret_cast<ibv_context*>(data & ~kDeviceTag));
     } else {
       static_cast<CompletionGroup*>(events[i].data.ptr)->ConsumeEvents();
-      completions = true;
     }
   }
-  return completions;
 }
 
 }  // namespace rdmarpc::rdma

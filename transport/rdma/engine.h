@@ -5,9 +5,7 @@
 // to a queue, client and server connections apart (completion_group.h).
 // It busy-polls them for the spin
 // period (twice the process's recent round trip, 50 us to 2 ms, or
-// RDMARPC_RDMA_SPIN_US; see runtime/spin.h: a sleep that a completion ends
-// within 2 ms of the last one counts as a round trip) after the last
-// completion it
+// RDMARPC_RDMA_SPIN_US; see runtime/spin.h) after the last completion it
 // found, which keeps a stream of calls at the device's latency without a
 // sleep and a wake-up per call; then it arms every queue and sleeps in epoll
 // on their completion channels, so an idle process burns no CPU. The spin
@@ -163,9 +161,8 @@ class Engine final : public internal::PollerHooks {
   // on a removed device frees its context.
   static void ReleaseDevices();
   // Waits up to `timeout_ms` (-1: forever) for epoll and handles what it
-  // reports: wake-ups, completion groups' channels, device events. True
-  // when a completion group's channel fired.
-  bool HandleEpoll(int timeout_ms);
+  // reports: wake-ups, completion groups' channels, device events.
+  void HandleEpoll(int timeout_ms);
   std::chrono::steady_clock::time_point NotStillBeforeHere(
       std::chrono::steady_clock::time_point now) const;
 
