@@ -222,14 +222,18 @@ Status Channel::Call(std::string_view method, ClientContext* ctx,
   // On the stack, and the callback holds only its address (no heap
   // allocation): Wait returns after the last time Complete touches it.
   CallWaiter waiter;
-  const uint64_t posted = internal::SpinClock::Get().Now();
   TransportKind took = StartCall(
       method, ctx, request, response,
       [w = &waiter](Status s) { w->Complete(std::move(s)); },
       /*done_runs_inline=*/true, /*caller_drives=*/true,
       /*done_only_wakes=*/true);
+  // The spin starts about where the endpoint's round-trip sample starts
+  // (the post), not before StartCall's encoding: a window measured from
+  // earlier than its samples would end that much sooner than they do.
+  const uint64_t posted =
+      took == TransportKind::kRdma ? internal::SpinClock::Get().Now() : 0;
   std::shared_ptr<internal::CallerPoll> poll = internal::TakeCallerPoll();
-  return waiter.Wait(took == TransportKind::kRdma ? posted : 0, poll.get());
+  return waiter.Wait(posted, poll.get());
 }
 
 std::future<Status> Channel::CallFuture(

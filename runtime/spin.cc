@@ -56,6 +56,23 @@ const SpinLimits& Limits() {
 // between recorders lose a sample, which an average can afford.
 std::atomic<uint64_t> average_round_trip{0};
 std::atomic<uint64_t> round_trips_seen{0};
+std::atomic<uint64_t> idle_gaps_seen{0};
+
+// Not an atomic increment: this runs once per call, and recorders that
+// race lose a count, which a test making one call at a time does not see.
+void Count(std::atomic<uint64_t>& seen) {
+  seen.store(seen.load(std::memory_order_relaxed) + 1,
+             std::memory_order_relaxed);
+}
+
+void Feed(uint64_t ticks) {
+  // Slower than the longest spin could not have been caught by spinning;
+  // counting it would only make every spin burn the maximum.
+  if (ticks > Limits().max) return;
+  uint64_t avg = average_round_trip.load(std::memory_order_relaxed);
+  uint64_t next = avg == 0 ? ticks : avg - avg / 8 + ticks / 8;
+  average_round_trip.store(next, std::memory_order_relaxed);
+}
 
 }  // namespace
 
@@ -78,18 +95,18 @@ uint64_t RoundTripsSeenForTesting() {
   return round_trips_seen.load(std::memory_order_relaxed);
 }
 
+uint64_t IdleGapsSeenForTesting() {
+  return idle_gaps_seen.load(std::memory_order_relaxed);
+}
+
 void RecordRoundTrip(uint64_t ticks) {
-  // Not an atomic increment: this runs once per response, and recorders
-  // that race lose a count, which a test making one call at a time does
-  // not see.
-  round_trips_seen.store(round_trips_seen.load(std::memory_order_relaxed) + 1,
-                         std::memory_order_relaxed);
-  // A call slower than the longest spin could not have been caught by
-  // spinning; counting it would only make every spin burn the maximum.
-  if (ticks > Limits().max) return;
-  uint64_t avg = average_round_trip.load(std::memory_order_relaxed);
-  uint64_t next = avg == 0 ? ticks : avg - avg / 8 + ticks / 8;
-  average_round_trip.store(next, std::memory_order_relaxed);
+  Count(round_trips_seen);
+  Feed(ticks);
+}
+
+void RecordIdleGap(uint64_t ticks) {
+  Count(idle_gaps_seen);
+  Feed(ticks);
 }
 
 }  // namespace rdmarpc::internal

@@ -7,12 +7,18 @@
 //   while (!ready() && clock.Now() < until) CpuRelax();
 //   // The RDMA client, as each response comes:
 //   RecordRoundTrip(clock.Now() - posted);
+//   // The RDMA server, as a request comes to a connection with no call:
+//   RecordIdleGap(clock.Now() - went_idle);
 //
 // The spin follows the round trips the process sees: twice their moving
 // average, at least 50 us and at most 2 ms, so a call answered within about
 // one round trip is caught spinning whether the wire takes 3 us (a NIC) or
 // 300 us (soft-RoCE under emulation): every RDMA call's round trip is a
-// sample, whichever API made it. RDMARPC_RDMA_SPIN_US fixes it instead.
+// sample, whichever API made it, and so is every gap a server's connection
+// spends idle between calls. A gap over 2 ms is no sample: a server called
+// sparsely sleeps between calls. One called back to back with gaps under
+// 2 ms spins through them, as a blocking caller spins through its round
+// trip. RDMARPC_RDMA_SPIN_US fixes the spin instead.
 //
 // The clock is the CPU's cycle counter on x86-64 (calibrated once against
 // steady_clock, 5 ms on first use): in a VM whose clock source is hpet
@@ -63,9 +69,17 @@ void SetSpinForTesting(std::chrono::microseconds spin);
 // (SpinClock ticks from posting a request to seeing its response, whatever
 // API made the call).
 void RecordRoundTrip(uint64_t ticks);
-// Tests: how many round trips RecordRoundTrip was given, counting those
-// too slow to join the average (races between recorders may lose one).
+// Feeds the same average with the idle gap of a server's connection: from
+// the end of its last call in flight to its next request. For a client
+// that calls back to back this is its round trip less the server's own
+// work, and it is how a process that only serves learns its clients'
+// pace. Measured only across idle, so pipelined calls add no samples.
+void RecordIdleGap(uint64_t ticks);
+// Tests: how many samples RecordRoundTrip and RecordIdleGap were given,
+// counting those too slow to join the average (races between recorders
+// may lose one).
 uint64_t RoundTripsSeenForTesting();
+uint64_t IdleGapsSeenForTesting();
 
 // Eases a spin on the sibling hyper-thread.
 inline void CpuRelax() {

@@ -9,6 +9,7 @@
 #include "runtime/coarse_clock.h"
 #include "runtime/completion.h"
 #include "runtime/fault_injection.h"
+#include "runtime/spin.h"
 #include "transport/rdma/payload.h"
 
 namespace rdmarpc::rdma {
@@ -150,6 +151,7 @@ void ServerEndpoint::ForgetLocked(uint64_t call_id) {
   std::unique_ptr<ServerRecord> record = std::move(it->second);
   calls_.erase(it);
   spare_record_.Give(std::move(record));
+  if (calls_.empty()) went_idle_ticks_ = internal::SpinClock::Get().Now();
 }
 
 void ServerEndpoint::FailLocked(uint64_t call_id, const Status& status,
@@ -232,6 +234,13 @@ Status ServerEndpoint::AdmitRequest(const FrameView& frame, ReadyCalls* ready) {
   // Declared after the lock, so it runs before the lock is released.
   absl::Cleanup take_ready = [&] { ready->swap(ready_); };
   if (closed_) return absl::OkStatus();
+  if (went_idle_ticks_ != 0) {
+    // How long this connection stayed idle: what the engine's spin must
+    // outlast to catch a client calling back to back.
+    internal::RecordIdleGap(internal::SpinClock::Get().Now() -
+                            went_idle_ticks_);
+    went_idle_ticks_ = 0;
+  }
   uint64_t call_id = head.call_id();
   if (calls_.contains(call_id)) {
     return absl::InvalidArgumentError(

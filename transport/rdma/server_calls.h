@@ -194,6 +194,9 @@ class ServerEndpoint final
   bool closed_ = false;
   // Hashed: a call costs no tree node (heap allocation).
   absl::flat_hash_map<uint64_t, std::unique_ptr<ServerRecord>> calls_;
+  // SpinClock time calls_ last became empty; 0 once the next request has
+  // recorded the gap (internal::RecordIdleGap), and before the first call.
+  uint64_t went_idle_ticks_ = 0;
   // The last forgotten call's record memory, for the next request.
   internal::SpareBlock<ServerRecord> spare_record_;
   // Fault injection only: continuations of responses "lost on the wire",

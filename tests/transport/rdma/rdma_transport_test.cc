@@ -911,6 +911,25 @@ TEST(RdmaTransport, EveryApiFeedsTheSpinWithItsRoundTrips) {
   EXPECT_EQ(rdmarpc::internal::RoundTripsSeenForTesting() - before, 5u);
 }
 
+// A server learns its clients' pace from the gaps its connections spend
+// idle: each request that finds its connection with no call in flight is
+// one sample, so a process that only serves spins across them too.
+TEST(RdmaTransport, EachRequestToAnIdleConnectionFeedsTheSpin) {
+  Service service;
+  int port = 0;
+  auto server = StartServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  auto stub = E2E::NewStub(RdmaChannel(port));
+  // The connection's first request follows no idle gap.
+  const uint64_t first = rdmarpc::internal::IdleGapsSeenForTesting();
+  ASSERT_TRUE(EchoOnce(stub.get(), 64, 1));
+  EXPECT_EQ(rdmarpc::internal::IdleGapsSeenForTesting() - first, 0u);
+  // A blocking call returns after the server forgot it (the response is
+  // sent under the lock the next request waits for): 4 gaps.
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(EchoOnce(stub.get(), 64, 2 + i));
+  EXPECT_EQ(rdmarpc::internal::IdleGapsSeenForTesting() - first, 4u);
+}
+
 // An inline callback that holds the completion thread shows in the
 // channel's stats.
 TEST(RdmaTransport, ACallbackThatHoldsTheCompletionThreadIsCounted) {
