@@ -26,6 +26,8 @@ const SpinClock& SpinClock::Get() {
 
 namespace {
 
+std::atomic<uint64_t> spin_for_testing{0};  // ticks; 0: none set
+
 constexpr std::chrono::microseconds kMinSpin(50);
 constexpr std::chrono::microseconds kMaxSpin(2000);
 
@@ -52,38 +54,46 @@ const SpinLimits& Limits() {
   return limits;
 }
 
-// Moving average of round trips in ticks, weight 1/8 per sample; races
-// between recorders lose a sample, which an average can afford.
-std::atomic<uint64_t> average_round_trip{0};
-std::atomic<uint64_t> round_trips_seen{0};
-std::atomic<uint64_t> idle_gaps_seen{0};
+// A moving average in ticks, weight 1/8 per sample; races between
+// recorders lose a sample, which an average can afford.
+struct Average {
+  std::atomic<uint64_t> ticks{0};
+  std::atomic<uint64_t> seen{0};  // samples given, for tests
 
-// Not an atomic increment: this runs once per call, and recorders that
-// race lose a count, which a test making one call at a time does not see.
-void Count(std::atomic<uint64_t>& seen) {
-  seen.store(seen.load(std::memory_order_relaxed) + 1,
-             std::memory_order_relaxed);
-}
+  void Feed(uint64_t sample) {
+    uint64_t avg = ticks.load(std::memory_order_relaxed);
+    uint64_t next = avg == 0 ? sample : avg - avg / 8 + sample / 8;
+    ticks.store(next, std::memory_order_relaxed);
+  }
+  // Not an atomic increment: this runs once per call, and recorders that
+  // race lose a count, which a test making one call at a time does not
+  // see.
+  void Count() {
+    seen.store(seen.load(std::memory_order_relaxed) + 1,
+               std::memory_order_relaxed);
+  }
+};
 
-void Feed(uint64_t ticks) {
-  // Slower than the longest spin could not have been caught by spinning;
-  // counting it would only make every spin burn the maximum.
-  if (ticks > Limits().max) return;
-  uint64_t avg = average_round_trip.load(std::memory_order_relaxed);
-  uint64_t next = avg == 0 ? ticks : avg - avg / 8 + ticks / 8;
-  average_round_trip.store(next, std::memory_order_relaxed);
+Average round_trips;
+Average idle_gaps;
+
+// Twice `average`, within the limits; or the fixed spin.
+uint64_t SpinFor(uint64_t average) {
+  if (uint64_t t = spin_for_testing.load(std::memory_order_relaxed)) return t;
+  const SpinLimits& l = Limits();
+  if (l.fixed != 0) return l.fixed;
+  return std::clamp(2 * average, l.min, l.max);
 }
 
 }  // namespace
 
-std::atomic<uint64_t> spin_for_testing{0};
-
 uint64_t SpinTicks() {
-  if (uint64_t t = spin_for_testing.load(std::memory_order_relaxed)) return t;
-  const SpinLimits& l = Limits();
-  if (l.fixed != 0) return l.fixed;
-  uint64_t twice = 2 * average_round_trip.load(std::memory_order_relaxed);
-  return std::clamp(twice, l.min, l.max);
+  return SpinFor(round_trips.ticks.load(std::memory_order_relaxed));
+}
+
+uint64_t EngineSpinTicks() {
+  return SpinFor(std::max(round_trips.ticks.load(std::memory_order_relaxed),
+                          idle_gaps.ticks.load(std::memory_order_relaxed)));
 }
 
 void SetSpinForTesting(std::chrono::microseconds spin) {
@@ -92,21 +102,26 @@ void SetSpinForTesting(std::chrono::microseconds spin) {
 }
 
 uint64_t RoundTripsSeenForTesting() {
-  return round_trips_seen.load(std::memory_order_relaxed);
+  return round_trips.seen.load(std::memory_order_relaxed);
 }
 
 uint64_t IdleGapsSeenForTesting() {
-  return idle_gaps_seen.load(std::memory_order_relaxed);
+  return idle_gaps.seen.load(std::memory_order_relaxed);
 }
 
 void RecordRoundTrip(uint64_t ticks) {
-  Count(round_trips_seen);
-  Feed(ticks);
+  round_trips.Count();
+  // A call slower than the longest spin could not have been caught by
+  // spinning; counting it would only make every spin burn the maximum.
+  if (ticks <= Limits().max) round_trips.Feed(ticks);
 }
 
 void RecordIdleGap(uint64_t ticks) {
-  Count(idle_gaps_seen);
-  Feed(ticks);
+  idle_gaps.Count();
+  // A gap no spin could bridge counts as none: when the clients slow down,
+  // the engine's spin falls back to the floor instead of keeping the
+  // length their faster calls taught it.
+  idle_gaps.Feed(ticks <= Limits().max ? ticks : 0);
 }
 
 }  // namespace rdmarpc::internal

@@ -1,6 +1,7 @@
 // Bounded busy-waits that make no system call: the RDMA engine spins for
-// SpinTicks() after its last completion before it sleeps, and a blocking
-// call over RDMA spins as long for its response before it sleeps.
+// EngineSpinTicks() after its last completion before it sleeps, and a
+// blocking call over RDMA spins SpinTicks() for its response before it
+// sleeps.
 //
 //   const SpinClock& clock = SpinClock::Get();
 //   uint64_t until = clock.Now() + SpinTicks();
@@ -10,15 +11,19 @@
 //   // The RDMA server, as a request comes to a connection with no call:
 //   RecordIdleGap(clock.Now() - went_idle);
 //
-// The spin follows the round trips the process sees: twice their moving
-// average, at least 50 us and at most 2 ms, so a call answered within about
-// one round trip is caught spinning whether the wire takes 3 us (a NIC) or
-// 300 us (soft-RoCE under emulation): every RDMA call's round trip is a
-// sample, whichever API made it, and so is every gap a server's connection
-// spends idle between calls. A gap over 2 ms is no sample: a server called
-// sparsely sleeps between calls. One called back to back with gaps under
-// 2 ms spins through them, as a blocking caller spins through its round
-// trip. RDMARPC_RDMA_SPIN_US fixes the spin instead.
+// A caller's spin follows the round trips the process sees: twice their
+// moving average, at least 50 us and at most 2 ms, so a call answered
+// within about one round trip is caught spinning whether the wire takes
+// 3 us (a NIC) or 300 us (soft-RoCE under emulation): every RDMA call's
+// round trip is a sample, whichever API made it. An engine spins twice the
+// longer of that average and the average idle gap of the server
+// connections (from a connection's last call ending to its next request),
+// so a process that only serves catches a client calling back to back. A
+// gap over 2 ms counts as 0: when the clients slow down, the engine's spin
+// falls back to the floor within a few dozen calls. A client calling with
+// gaps under 2 ms keeps its server's engine spinning between calls, as a
+// blocking caller spins through its round trip. RDMARPC_RDMA_SPIN_US fixes
+// both spins instead.
 //
 // The clock is the CPU's cycle counter on x86-64 (calibrated once against
 // steady_clock, 5 ms on first use): in a VM whose clock source is hpet
@@ -59,8 +64,11 @@ class SpinClock {
   double per_us_ = 0;  // 0: Now() counts microseconds of steady_clock
 };
 
-// How long to spin before sleeping, in SpinClock ticks.
+// How long a blocking caller spins for its response before it sleeps, in
+// SpinClock ticks.
 uint64_t SpinTicks();
+// How long an engine spins after its last completion before it sleeps.
+uint64_t EngineSpinTicks();
 // Tests: spins last `spin` from now on (0: back to the configured spin),
 // so that what a spin catches does not depend on the machine's speed.
 void SetSpinForTesting(std::chrono::microseconds spin);
@@ -69,11 +77,11 @@ void SetSpinForTesting(std::chrono::microseconds spin);
 // (SpinClock ticks from posting a request to seeing its response, whatever
 // API made the call).
 void RecordRoundTrip(uint64_t ticks);
-// Feeds the same average with the idle gap of a server's connection: from
-// the end of its last call in flight to its next request. For a client
-// that calls back to back this is its round trip less the server's own
-// work, and it is how a process that only serves learns its clients'
-// pace. Measured only across idle, so pipelined calls add no samples.
+// Feeds the engines' second average with the idle gap of a server's
+// connection: from the end of its last call in flight to its next request
+// (the response's trip, the client's own work and the next request's
+// trip). It is how a process that only serves learns its clients' pace.
+// Measured only across idle, so pipelined calls add no samples.
 void RecordIdleGap(uint64_t ticks);
 // Tests: how many samples RecordRoundTrip and RecordIdleGap were given,
 // counting those too slow to join the average (races between recorders

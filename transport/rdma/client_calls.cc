@@ -249,6 +249,10 @@ void ClientEndpoint::Start(internal::ClientCall call) {
   // calls_ owns the record from here; mu_ keeps it while the frame goes.
   const ClientRecord* sending = record.get();
   record->call = std::move(call);
+  // Fault injection: a test holds the call here to cancel it before its
+  // canceller is attached.
+  internal::fault::HoldWhileArmed("rdma.client.hold_start",
+                                  "rdma.client.start_held");
   Outcomes outcomes;
   {
     std::lock_guard<std::mutex> lock(mu_);

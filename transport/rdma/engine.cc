@@ -546,7 +546,7 @@ void Engine::Loop() {
     }
     // Spinning on after the last completion catches the next request or
     // response without a sleep and a wake-up through the kernel.
-    if (now - last_progress_ < internal::SpinTicks()) {
+    if (now - last_progress_ < internal::EngineSpinTicks()) {
       internal::CpuRelax();
       continue;
     }

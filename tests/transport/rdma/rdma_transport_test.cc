@@ -911,6 +911,42 @@ TEST(RdmaTransport, EveryApiFeedsTheSpinWithItsRoundTrips) {
   EXPECT_EQ(rdmarpc::internal::RoundTripsSeenForTesting() - before, 5u);
 }
 
+// A call cancelled after the channel looked (it was not cancelled yet) and
+// before its RDMA endpoint attached its canceller ends CANCELLED as the
+// attach finds it, unsent: the server never runs it, and the connection
+// goes on.
+TEST(RdmaTransport, ACallCancelledAsItStartsIsNeverSent) {
+  Service service;
+  int port = 0;
+  auto server = StartServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  auto stub = E2E::NewStub(RdmaChannel(port));
+  ASSERT_TRUE(EchoOnce(stub.get(), 64, 1));
+  const int ran_before = service.echo_calls.load();
+  namespace fault = rdmarpc::internal::fault;
+  fault::Arm("rdma.client.hold_start");
+  ClientContext ctx;
+  EchoRequest req;
+  EchoResponse resp;
+  std::promise<rdmarpc::Status> done;
+  // Start runs on the thread that makes the call, which the point holds.
+  std::thread caller([&] {
+    stub->Echo(&ctx, req, &resp, [&](rdmarpc::Status s) { done.set_value(s); });
+  });
+  // No early return before the join.
+  const bool held = WaitUntilArmed("rdma.client.start_held");
+  if (held) ctx.TryCancel();
+  fault::Disarm("rdma.client.hold_start");
+  rdmarpc::Status s = done.get_future().get();
+  caller.join();
+  ASSERT_TRUE(held);
+  EXPECT_EQ(s.code(), rdmarpc::StatusCode::kCancelled) << s;
+  EXPECT_NE(s.message().find("cancelled before start"), std::string::npos) << s;
+  EXPECT_EQ(ctx.stats().transport, rdmarpc::TransportKind::kRdma);
+  ASSERT_TRUE(EchoOnce(stub.get(), 64, 2));
+  EXPECT_EQ(service.echo_calls.load() - ran_before, 1);
+}
+
 // A server learns its clients' pace from the gaps its connections spend
 // idle: each request that finds its connection with no call in flight is
 // one sample, so a process that only serves spins across them too.
@@ -924,8 +960,9 @@ TEST(RdmaTransport, EachRequestToAnIdleConnectionFeedsTheSpin) {
   const uint64_t first = rdmarpc::internal::IdleGapsSeenForTesting();
   ASSERT_TRUE(EchoOnce(stub.get(), 64, 1));
   EXPECT_EQ(rdmarpc::internal::IdleGapsSeenForTesting() - first, 0u);
-  // A blocking call returns after the server forgot it (the response is
-  // sent under the lock the next request waits for): 4 gaps.
+  // The server forgets an inline response's call in the same locked step
+  // that sends the response, and the next request waits for that lock:
+  // each finds the connection idle.
   for (int i = 0; i < 4; ++i) ASSERT_TRUE(EchoOnce(stub.get(), 64, 2 + i));
   EXPECT_EQ(rdmarpc::internal::IdleGapsSeenForTesting() - first, 4u);
 }
