@@ -58,11 +58,19 @@ const SpinLimits& Limits() {
 // recorders lose a sample, which an average can afford.
 struct Average {
   std::atomic<uint64_t> ticks{0};
+  // The first sample sets the average (0 is a sample too: an idle gap
+  // too long to spin across).
+  std::atomic<bool> seeded{false};
   std::atomic<uint64_t> seen{0};  // samples given, for tests
 
   void Feed(uint64_t sample) {
-    uint64_t avg = ticks.load(std::memory_order_relaxed);
-    uint64_t next = avg == 0 ? sample : avg - avg / 8 + sample / 8;
+    uint64_t next = sample;
+    if (seeded.load(std::memory_order_relaxed)) {
+      uint64_t avg = ticks.load(std::memory_order_relaxed);
+      next = avg - avg / 8 + sample / 8;
+    } else {
+      seeded.store(true, std::memory_order_relaxed);
+    }
     ticks.store(next, std::memory_order_relaxed);
   }
   // Not an atomic increment: this runs once per call, and recorders that

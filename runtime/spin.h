@@ -20,7 +20,8 @@
 // connections (from a connection's last call ending to its next request),
 // so a process that only serves catches a client calling back to back. A
 // gap over 2 ms counts as 0: when the clients slow down, the engine's spin
-// falls back to the floor within a few dozen calls. A client calling with
+// falls back within a few dozen calls to the caller's (twice the round
+// trips; the floor in a process that makes no calls). A client calling with
 // gaps under 2 ms keeps its server's engine spinning between calls, as a
 // blocking caller spins through its round trip. RDMARPC_RDMA_SPIN_US fixes
 // both spins instead.
@@ -73,9 +74,11 @@ uint64_t EngineSpinTicks();
 // so that what a spin catches does not depend on the machine's speed.
 void SetSpinForTesting(std::chrono::microseconds spin);
 
-// Feeds the moving average behind SpinTicks() with one RDMA round trip
-// (SpinClock ticks from posting a request to seeing its response, whatever
-// API made the call).
+// Feeds the round-trip average (behind SpinTicks(), and EngineSpinTicks()
+// when it is the longer) with one RDMA round trip: SpinClock ticks from
+// posting a request to seeing its response, whatever API made the call.
+// One over 2 ms is left out, so a process whose own calls all turn slower
+// than that keeps the spin its faster calls taught it.
 void RecordRoundTrip(uint64_t ticks);
 // Feeds the engines' second average with the idle gap of a server's
 // connection: from the end of its last call in flight to its next request
@@ -84,7 +87,7 @@ void RecordRoundTrip(uint64_t ticks);
 // Measured only across idle, so pipelined calls add no samples.
 void RecordIdleGap(uint64_t ticks);
 // Tests: how many samples RecordRoundTrip and RecordIdleGap were given,
-// counting those too slow to join the average (races between recorders
+// counting round trips left out of the average (races between recorders
 // may lose one).
 uint64_t RoundTripsSeenForTesting();
 uint64_t IdleGapsSeenForTesting();
