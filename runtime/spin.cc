@@ -127,8 +127,9 @@ void RecordRoundTrip(uint64_t ticks) {
 void RecordIdleGap(uint64_t ticks) {
   idle_gaps.Count();
   // A gap no spin could bridge counts as none: when the clients slow down,
-  // the engine's spin falls back to the floor instead of keeping the
-  // length their faster calls taught it.
+  // the engine's spin falls back to the callers' (the floor in a process
+  // that makes no calls) instead of keeping the length their faster calls
+  // taught it.
   idle_gaps.Feed(ticks <= Limits().max ? ticks : 0);
 }
 
