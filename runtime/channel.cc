@@ -178,7 +178,12 @@ class CallWaiter {
         if (poll != nullptr && !taken) taken = poll->TakeForCaller();
         if (!taken || !poll->PollTaken()) internal::CpuRelax();
       }
-      if (taken) poll->GiveBack();
+      if (taken) {
+        poll->GiveBack();
+      } else if (poll != nullptr &&
+                 state_.load(std::memory_order_acquire) != kDone) {
+        poll->HandToEngine();
+      }
     }
     // Done while spinning (the common case): Complete took no lock, and
     // neither does this.

@@ -71,6 +71,7 @@ std::string ChannelTransportStats::ToString() const {
                   ", waits for credit: ", rdma_waits_for_credit,
                   ", watcher wake-ups: ", rdma_watch_wakeups,
                   ", found by waiting callers: ", rdma_caller_polls,
+                  ", queue arms: ", rdma_queue_arms,
                   ", callback stalls: ", rdma_callback_stalls, "\n");
   return out;
 }

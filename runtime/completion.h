@@ -119,6 +119,8 @@ class CompletionThreadScope {
 //   if (poll->TakeForCaller()) {
 //     while (!done && spinning) poll->PollTaken();
 //     poll->GiveBack();
+//   } else if (!done) {
+//     poll->HandToEngine();  // before the waiter sleeps
 //   }
 class CallerPoll {
  public:
@@ -130,7 +132,11 @@ class CallerPoll {
   // the queue); true if it found anything. Only between a successful
   // TakeForCaller and GiveBack.
   virtual bool PollTaken() = 0;
+  // Gives the queue back; the engine polls for the calls left on it.
   virtual void GiveBack() = 0;
+  // A waiter that goes to sleep without having taken the queue: the engine
+  // polls for its call.
+  virtual void HandToEngine() = 0;
 };
 void OfferCallerPoll(std::shared_ptr<CallerPoll> poll);
 std::shared_ptr<CallerPoll> TakeCallerPoll();

@@ -115,6 +115,9 @@ struct FastPathCounters {
   // Times a blocked caller found completions polling its connection's
   // (shared) completion queue itself.
   uint64_t caller_polls = 0;
+  // Times the engine armed the connection's (shared) completion queue to
+  // sleep until its next completion.
+  uint64_t queue_arms = 0;
   // Callbacks run inline that held the completion thread for
   // kCompletionThreadStall or more.
   uint64_t callback_stalls = 0;

@@ -340,6 +340,7 @@ ChannelTransportStats TransportRouter::stats() {
     stats.rdma_landing_window_waits = c.landing_window_waits;
     stats.rdma_watch_wakeups = c.watch_wakeups;
     stats.rdma_caller_polls = c.caller_polls;
+    stats.rdma_queue_arms = c.queue_arms;
     stats.rdma_callback_stalls = c.callback_stalls;
   }
   return stats;

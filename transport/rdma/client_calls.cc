@@ -113,6 +113,7 @@ void ClientEndpoint::Attach(std::shared_ptr<Connection> conn) {
   canceller_ = std::make_shared<RdmaCanceller>(weak_from_this());
   std::lock_guard<std::mutex> lock(mu_);
   conn_ = std::move(conn);
+  group_ = conn_->group()->shared_from_this();
   cache_ = RegistrationCache::Create(conn_->pd());
   attached_ = conn_.get();
 }
@@ -259,6 +260,9 @@ void ClientEndpoint::Start(internal::ClientCall call) {
     calls_.emplace(call_id, std::move(record));
     // Through conn_, as FinishLocked takes it back (null once closed).
     if (conn_) conn_->calls_waiting.fetch_add(1);
+    // Before the post: the group's engine, asleep, watches for it only if
+    // it awaits (RdmaClientTransport::Start, Channel::Call).
+    group_->AddAwaited();
     // Attached with the call in calls_, under mu_, which Cancel takes: a
     // cancel that does not find its call came after the call ended.
     if (!internal::ClientContextAccess::AttachCanceller(ctx, canceller_,
@@ -356,6 +360,7 @@ void ClientEndpoint::FinishLocked(uint64_t call_id, Status status,
   }
   grants_.Forget(r.grant_id);
   if (conn_) conn_->calls_waiting.fetch_sub(1);
+  group_->RemoveAwaited();
   outcomes->push_back({std::move(it->second), std::move(status), next});
   calls_.erase(it);
 }

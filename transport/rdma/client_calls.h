@@ -164,6 +164,10 @@ class ClientEndpoint final
   // reads it (and cache_, never reset, only cleared on close) without mu_.
   // The transport that calls Start holds the connection for its whole life.
   Connection* attached_ = nullptr;
+  // The completion group of the attached connection (set by Attach and
+  // kept after the close): every call in calls_ counts there as awaited,
+  // from Start to FinishLocked, under mu_.
+  std::shared_ptr<CompletionGroup> group_;
   // Set at Attach, attached to every call (RdmaCanceller).
   std::shared_ptr<internal::CallCanceller> canceller_;
   // Whether closed_ is set: health() and Start read it without mu_.

@@ -13,6 +13,7 @@
 #include "rdmarpc/memory.h"
 #include "runtime/spin.h"
 #include "transport/rdma/connection.h"
+#include "transport/rdma/engine.h"
 #include "transport/rdma/registration.h"
 
 namespace rdmarpc::rdma {
@@ -491,9 +492,23 @@ bool CompletionGroup::TakeBlocking() {
   return true;
 }
 
-void CompletionGroup::GiveBack() {
+void CompletionGroup::Release() {
   held_group = held_before_;
   polling_.store(false, std::memory_order_release);
+}
+
+void CompletionGroup::GiveBack() {
+  held_group = held_before_;
+  polling_.store(false, std::memory_order_seq_cst);
+  WakeEngineIfUnwatched();
+}
+
+void CompletionGroup::WakeEngineIfUnwatched() {
+  if (unarmed_.load(std::memory_order_seq_cst) &&
+      awaited_.load(std::memory_order_seq_cst) > 0 &&
+      unarmed_.exchange(false, std::memory_order_seq_cst)) {
+    engine_->Wake();
+  }
 }
 
 int CompletionGroup::PollHeld() {
@@ -556,14 +571,27 @@ void CompletionGroup::DrainHeld() {
 CompletionGroup::PollResult CompletionGroup::TryPoll() {
   if (!TryTake()) return closed() ? PollResult::kIdle : PollResult::kBusy;
   const int found = PollHeld();
-  GiveBack();
+  Release();
   return found > 0 ? PollResult::kFound : PollResult::kIdle;
 }
 
-bool CompletionGroup::Arm() {
-  if (!TryTake()) return closed();
+bool CompletionGroup::ArmForSleep() {
+  if (!serves_) {
+    // Marked first: a call that starts after the load below finds the
+    // mark and wakes the engine, and so does a holder that gives the group
+    // back after the load of polling_ with a call awaiting.
+    unarmed_.store(true, std::memory_order_seq_cst);
+    if (awaited_.load(std::memory_order_seq_cst) == 0 ||
+        polling_.load(std::memory_order_seq_cst)) {
+      return true;
+    }
+  }
+  // A client group taken meanwhile is its holder's to hand back (marked).
+  if (!TryTake()) return closed() || !serves_;
+  unarmed_.store(false, std::memory_order_relaxed);
   ibv_req_notify_cq(cq_.get(), 0);
-  GiveBack();
+  arms_.fetch_add(1, std::memory_order_relaxed);
+  Release();
   return true;
 }
 
@@ -577,7 +605,7 @@ void CompletionGroup::ConsumeEvents() {
       ++unacked_events_ >= kEventAckBatch) {
     AckEventsHeld();
   }
-  GiveBack();
+  Release();
 }
 
 void CompletionGroup::AckEventsHeld() {

@@ -22,6 +22,19 @@
 // server's join different groups, so a caller never runs a server's
 // handler on its own thread.
 //
+// A client's group is watched by its engine only while a call awaits a
+// completion there that no caller polls for. The members' calls count
+// from their start to their end (AddAwaited .. RemoveAwaited). An engine
+// on its way to sleep arms a client group only where calls await and no
+// caller holds it; else it leaves it unarmed and marks it so. Whoever
+// then leaves an awaited call unpolled wakes the engine
+// (WakeEngineIfUnwatched): a caller that gives the group back, or sleeps
+// without having taken it, and whoever starts a call no caller polls for.
+// So a thread that makes blocking calls one after another completes each
+// on its own thread while the engine sleeps: no arm, no event, no wake-up.
+// A completion no call awaits (a late response to a cancelled call, a
+// send's) waits in the queue for the next poll.
+//
 // A group also holds a protection domain its members share, where the
 // device has type-2 memory windows and the process no GPU (SharesDomain):
 // a member then grants landing memory only through windows bound to its
@@ -199,6 +212,9 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   // group: finding it held, it comes back on its next pass. (Uninstalling
   // a connection and destroying the queue wait for the holder.)
   bool TryTake();
+  // Gives the group back, and wakes its engine if it sleeps with the group
+  // unarmed while a call awaits (WakeEngineIfUnwatched). Every holder but
+  // the engine gives back so.
   void GiveBack();
   // Takes the group, waiting for its holder, unless this thread holds it
   // already; true when it took it (then GiveBack). For uninstalling a
@@ -222,9 +238,22 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   bool broken() const { return broken_.load(std::memory_order_acquire); }
   enum class PollResult { kIdle, kFound, kBusy };
   PollResult TryPoll();
-  // Engine: requests an event for the next completion. False when another
-  // thread holds the group (it was not armed: do not sleep on it).
-  bool Arm();
+  // Engine, on its way to sleep: requests an event for the group's next
+  // completion, except in a client group where no call awaits one or a
+  // caller holds the group (see above: it stays unarmed, marked so). False
+  // when the engine must pass over the group again before it sleeps.
+  bool ArmForSleep();
+
+  // A member's call awaits a completion (from its start to its end: a
+  // client's calls). Before the call's first post.
+  void AddAwaited() { awaited_.fetch_add(1, std::memory_order_seq_cst); }
+  void RemoveAwaited() { awaited_.fetch_sub(1, std::memory_order_seq_cst); }
+  // Wakes the engine if it sleeps with the group unarmed while a call
+  // awaits: after AddAwaited by a thread that will not poll for the call,
+  // and by a caller that stops polling for its call (GiveBack does it).
+  void WakeEngineIfUnwatched();
+  // Times the engine armed the group to sleep.
+  uint64_t arms() const { return arms_.load(std::memory_order_relaxed); }
   // Engine: reads the channel's pending event, unless another thread holds
   // the group (the channel's fd then reports again). Events are
   // acknowledged kEventAckBatch at a time (each acknowledgement takes the
@@ -264,6 +293,9 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   void Leave(uint32_t key, uint32_t entries);
   // Whether this thread holds the group (TryTake).
   bool HeldHere() const;
+  // GiveBack for the engine, which looks at the group again before it
+  // sleeps.
+  void Release();
   // Acknowledges the events read so far. Requires the group held.
   void AckEventsHeld();
 
@@ -274,6 +306,14 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   const int epoll_fd_;
   std::atomic<int>* const engine_members_;
   std::atomic<bool> polling_{false};
+  // Calls of members that await a completion, and whether the engine last
+  // went to sleep without arming the group (cleared by whoever arms it or
+  // wakes the engine for it). Sequentially consistent with polling_: a
+  // thread stores one and loads the other, so of two racing threads at
+  // least one sees the other's store.
+  std::atomic<int> awaited_{0};
+  std::atomic<bool> unarmed_{false};
+  std::atomic<uint64_t> arms_{0};
   std::atomic<bool> closed_{false};
   std::atomic<bool> released_{false};
   std::atomic<bool> broken_{false};

@@ -722,6 +722,8 @@ bool Connection::PolledForAnotherCaller() {
 
 void Connection::GiveBack() { res_.group.group()->GiveBack(); }
 
+void Connection::HandToEngine() { res_.group.group()->WakeEngineIfUnwatched(); }
+
 bool Connection::OnCompletion(const ibv_wc& wc) {
   const Connection* outer = polling_here;
   polling_here = this;

@@ -413,10 +413,12 @@ class Connection : public std::enable_shared_from_this<Connection>,
 
   // internal::CallerPoll: the thread that waits for its call polls the
   // connection's completion group alone for its spin (completing the
-  // group's other calls too); the engine skips it meanwhile.
+  // group's other calls too); the engine skips it meanwhile, and watches
+  // it again only for calls left awaiting (completion_group.h).
   bool TakeForCaller() override;
   bool PollTaken() override;
   void GiveBack() override;
+  void HandToEngine() override;
   // Whether this thread handles a completion of one connection while it
   // polls the group for a call it made on another (a blocked caller's
   // spin): a user's inline callback then goes to the callback thread.

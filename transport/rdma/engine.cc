@@ -485,9 +485,10 @@ void Engine::Loop() {
     bool progress = false;
     for (size_t i = 0; i < groups_.size();) {
       CompletionGroup* group = groups_[i].get();
-      // kBusy: a caller polls it for its own call; the engine must not
-      // sleep on a queue it has not looked at since arming it.
-      progress |= group->TryPoll() != CompletionGroup::PollResult::kIdle;
+      // kBusy (a caller polls it for its own call) is no progress: the
+      // engine may sleep meanwhile, and the caller wakes it if it leaves a
+      // call unpolled (CompletionGroup::ArmForSleep).
+      progress |= group->TryPoll() == CompletionGroup::PollResult::kFound;
       if (!Drain()) return;
       if (group->released()) {
         // Its channel left epoll before this: no later wait names it.
@@ -560,10 +561,11 @@ void Engine::Loop() {
       last_progress_ = now;
       continue;
     }
-    // A group a caller holds was not armed: no sleep on it.
-    for (auto& g : groups_) progress |= !g->Arm();
+    // A client group where no call awaits, or that a caller holds, stays
+    // unarmed; a server group someone holds is looked at again first.
+    for (auto& g : groups_) progress |= !g->ArmForSleep();
     for (size_t i = 0; i < groups_.size(); ++i) {
-      progress |= groups_[i]->TryPoll() != CompletionGroup::PollResult::kIdle;
+      progress |= groups_[i]->TryPoll() == CompletionGroup::PollResult::kFound;
       if (!Drain()) return;
     }
     if (progress) continue;

@@ -26,9 +26,11 @@
 //
 // A caller blocked in Channel::Call polls its connection's group itself
 // while it spins (Connection::TakeForCaller), so its response completes on
-// its own thread; one thread polls a group at a time, and the engine does
-// not sleep while a caller holds one (it has not seen that queue since it
-// armed it).
+// its own thread; one thread polls a group at a time. The engine arms a
+// client group only where a call awaits a completion that no caller polls
+// for, and may sleep while a caller holds one: a caller that stops polling
+// with a call left awaiting wakes it (completion_group.h). So blocking
+// calls made one after another cost their engine nothing.
 //
 // Connections leave their engine when they close: the engine runs
 // Connection::FinishClose on its thread and drops its reference.

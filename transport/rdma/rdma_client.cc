@@ -267,10 +267,11 @@ void RdmaClientTransport::Start(internal::ClientCall call) {
   internal::ClientContextAccess::mutable_stats(call.ctx)->transport_reason =
       description_;
   // The caller waits for this call next: it polls the queue itself.
-  if (std::exchange(call.caller_drives, false)) {
-    internal::OfferCallerPoll(conn_);
-  }
+  const bool caller_polls = std::exchange(call.caller_drives, false);
+  if (caller_polls) internal::OfferCallerPoll(conn_);
   endpoint_->Start(std::move(call));
+  // No caller polls for this one: an engine asleep must watch for it.
+  if (!caller_polls) conn_->HandToEngine();
   if (monitor_resting_.exchange(false)) WakeMonitor();
 }
 
@@ -285,6 +286,7 @@ internal::FastPathCounters RdmaClientTransport::counters() const {
   internal::FastPathCounters c = conn_->counters();
   c.watch_wakeups = watch_wakeups_.load(std::memory_order_relaxed);
   c.caller_polls = conn_->caller_polls_found();
+  c.queue_arms = conn_->group()->arms();
   c.callback_stalls = endpoint_->callback_stalls();
   c.landing_registrations = endpoint_->landing_registrations();
   return c;

@@ -200,6 +200,13 @@ struct ChannelTransportStats {
   // over by the completion engine; completions of other channels' calls
   // it found count too).
   uint64_t rdma_caller_polls = 0;
+  // Times the completion engine armed the queue the channel's RDMA
+  // connection shares (as above), to sleep until its next completion: on
+  // a software device (rxe) each arm is a system call, and the event a
+  // wake-up of the engine. It arms the queue only while calls await
+  // completions that no caller polls for: blocking calls made one after
+  // another leave it unarmed.
+  uint64_t rdma_queue_arms = 0;
   // Callbacks run on the completion thread (run_callbacks_inline) that
   // held it for 1 ms or more: each stalled every RDMA connection that
   // thread serves. A channel that counts them should block less in its

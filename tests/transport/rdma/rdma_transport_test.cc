@@ -146,6 +146,18 @@ bool EchoOnce(E2E::Stub* stub, size_t size, uint32_t seed) {
          std::memcmp(out->data(), bytes.data(), size) == 0;
 }
 
+// Connects `stub` over `channel` with one call (seed 1) while new
+// connections spread over as many engines as a process may have: each
+// then finds an engine without connections, whatever other tests left
+// closing, so the client's and the server's connections get one each.
+bool ConnectOnEnginesOfTheirOwn(E2E::Stub* stub) {
+  rdmarpc::rdma::Engine::SetPollersForTesting(
+      rdmarpc::rdma::Engine::kMaxPollers);
+  const bool connected = EchoOnce(stub, 64, 1);
+  rdmarpc::rdma::Engine::SetPollersForTesting(0);
+  return connected;
+}
+
 // Whether the fault point `held` was armed (and takes it), within 60 s: a
 // thread held by HoldWhileArmed arms it once it waits.
 bool WaitUntilArmed(const char* held) {
@@ -697,19 +709,13 @@ TEST(RdmaTransport, CallbacksRunOnTheCompletionThreadByDefault) {
 // With more than one poller (RDMARPC_RDMA_POLLERS), a client and a server
 // in one process are polled by two engines: the server's inline handler
 // and the client's inline callback run on two engine threads, in parallel.
-// As many pollers as a process may have: each Add then finds an engine
-// without connections, whatever other tests left closing.
 TEST(RdmaTransport, ConnectionsSpreadOverThePollers) {
   Service service;
   int port = 0;
   auto server = StartServer(&service, &port);
   ASSERT_NE(server, nullptr);
-  rdmarpc::rdma::Engine::SetPollersForTesting(
-      rdmarpc::rdma::Engine::kMaxPollers);
   auto stub = E2E::NewStub(RdmaChannel(port));
-  const bool connected = EchoOnce(stub.get(), 64, 1);
-  rdmarpc::rdma::Engine::SetPollersForTesting(0);
-  ASSERT_TRUE(connected);
+  ASSERT_TRUE(ConnectOnEnginesOfTheirOwn(stub.get()));
 
   ClientContext ctx;
   EchoRequest req;
@@ -800,6 +806,63 @@ TEST(RdmaTransport, BlockingCallersPollTheirOwnQueue) {
   rdmarpc::ChannelTransportStats stats = channel->transport_stats();
   EXPECT_EQ(stats.calls_rdma, 101u);
   EXPECT_GE(stats.rdma_caller_polls - before, 50u) << stats.ToString();
+}
+
+// A thread that makes blocking calls one after another polls for each
+// response itself, so the client's engine, asleep between the calls, never
+// arms the client's queue: nothing wakes it. Calls that no caller polls
+// for (a callback's, a future's) still complete: starting one wakes the
+// engine, which arms the queue if the response does not come during its
+// spin. The client's connection gets an engine of its own; the spin is
+// long enough for any round trip here, and the pauses longer.
+TEST(RdmaTransport, BlockingCallsLeaveTheClientsQueueUnarmed) {
+  using std::chrono::milliseconds;
+  Service service;
+  int port = 0;
+  auto server = StartServer(&service, &port);
+  ASSERT_NE(server, nullptr);
+  auto channel = RdmaChannel(port);
+  auto stub = E2E::NewStub(channel);
+  ASSERT_TRUE(ConnectOnEnginesOfTheirOwn(stub.get()));
+  rdmarpc::internal::SetSpinForTesting(milliseconds(200));
+  absl::Cleanup spin_again = [] {
+    rdmarpc::internal::SetSpinForTesting(std::chrono::microseconds(0));
+  };
+  std::this_thread::sleep_for(milliseconds(300));
+  const uint64_t arms = channel->transport_stats().rdma_queue_arms;
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(EchoOnce(stub.get(), 64, 2 + i));
+    std::this_thread::sleep_for(milliseconds(300));
+  }
+  rdmarpc::ChannelTransportStats stats = channel->transport_stats();
+  EXPECT_EQ(stats.rdma_queue_arms - arms, 0u) << stats.ToString();
+
+  // The engine sleeps with the queue unarmed: a callback call, then a
+  // future, each after a pause.
+  ClientContext ctx;
+  EchoRequest req;
+  req.set_note("callback");
+  EchoResponse resp;
+  std::promise<rdmarpc::Status> done;
+  stub->Echo(&ctx, req, &resp, [&](rdmarpc::Status s) { done.set_value(s); });
+  auto callback = done.get_future();
+  ASSERT_EQ(callback.wait_for(std::chrono::seconds(30)),
+            std::future_status::ready);
+  rdmarpc::Status s = callback.get();
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(resp.note(), "callback");
+  EXPECT_EQ(ctx.stats().transport, rdmarpc::TransportKind::kRdma);
+  std::this_thread::sleep_for(milliseconds(300));
+  ClientContext future_ctx;
+  req.set_note("future");
+  EchoResponse future_resp;
+  auto future = stub->EchoFuture(&future_ctx, req, &future_resp);
+  ASSERT_EQ(future.wait_for(std::chrono::seconds(30)),
+            std::future_status::ready);
+  s = future.get();
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(future_resp.note(), "future");
+  EXPECT_EQ(future_ctx.stats().transport, rdmarpc::TransportKind::kRdma);
 }
 
 // A caller blocked on one channel polls the completion queue it shares
