@@ -591,15 +591,19 @@ bool CompletionGroup::ArmForSleep() {
   unarmed_.store(false, std::memory_order_relaxed);
   ibv_req_notify_cq(cq_.get(), 0);
   arms_.fetch_add(1, std::memory_order_relaxed);
+  // An arm raises no event for what came before it. Polled under the same
+  // hold: a thread that took the group next might not poll it all, and
+  // finding it unmarked it would wake no one.
+  const int found = PollHeld();
   Release();
-  return true;
+  return found == 0;
 }
 
 void CompletionGroup::ConsumeEvents() {
   if (!TryTake()) return;
   ibv_cq* cq = nullptr;
   void* context = nullptr;
-  // One event per Arm(), and the engine arms once per sleep: one read
+  // One event per arm, and the engine arms once per sleep: one read
   // suffices (epoll reports the fd again if more are queued).
   if (ibv_get_cq_event(channel_.get(), &cq, &context) == 0 &&
       ++unacked_events_ >= kEventAckBatch) {

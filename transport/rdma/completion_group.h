@@ -24,7 +24,8 @@
 //
 // A client's group is watched by its engine only while a call awaits a
 // completion there that no caller polls for. The members' calls count
-// from their start to their end (AddAwaited .. RemoveAwaited). An engine
+// from their start to their end (AddAwaited .. RemoveAwaited), and so do
+// frames and writes queued for the peer's credits (a cancel's). An engine
 // on its way to sleep arms a client group only where calls await and no
 // caller holds it; else it leaves it unarmed and marks it so. Whoever
 // then leaves an awaited call unpolled wakes the engine
@@ -213,8 +214,9 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   // a connection and destroying the queue wait for the holder.)
   bool TryTake();
   // Gives the group back, and wakes its engine if it sleeps with the group
-  // unarmed while a call awaits (WakeEngineIfUnwatched). Every holder but
-  // the engine gives back so.
+  // unarmed while a call awaits (WakeEngineIfUnwatched). Every holder
+  // gives back so but the engine's own polls and arms, after which it
+  // looks at the group again before it sleeps.
   void GiveBack();
   // Takes the group, waiting for its holder, unless this thread holds it
   // already; true when it took it (then GiveBack). For uninstalling a
@@ -239,15 +241,20 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   enum class PollResult { kIdle, kFound, kBusy };
   PollResult TryPoll();
   // Engine, on its way to sleep: requests an event for the group's next
-  // completion, except in a client group where no call awaits one or a
-  // caller holds the group (see above: it stays unarmed, marked so). False
-  // when the engine must pass over the group again before it sleeps.
+  // completion and polls it once more (what came before the arm raises no
+  // event), except in a client group where nothing awaits a completion or
+  // a caller holds the group (see above: it stays unarmed, marked so).
+  // False when the engine must pass over the group again before it sleeps
+  // (it found completions, or someone else holds a server group).
   bool ArmForSleep();
 
-  // A member's call awaits a completion (from its start to its end: a
-  // client's calls). Before the call's first post.
+  // Something of a member awaits a completion: a client's call, from its
+  // start to its end, or a frame or write queued for the peer's credits
+  // or a send slot, until it is posted. Before the post.
   void AddAwaited() { awaited_.fetch_add(1, std::memory_order_seq_cst); }
-  void RemoveAwaited() { awaited_.fetch_sub(1, std::memory_order_seq_cst); }
+  void RemoveAwaited(int n = 1) {
+    awaited_.fetch_sub(n, std::memory_order_seq_cst);
+  }
   // Wakes the engine if it sleeps with the group unarmed while a call
   // awaits: after AddAwaited by a thread that will not poll for the call,
   // and by a caller that stops polling for its call (GiveBack does it).

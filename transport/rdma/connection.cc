@@ -147,6 +147,11 @@ Connection::Connection(ConnectionResources resources,
 }
 
 Connection::~Connection() {
+  // Queued and never posted (the close was not finished): awaited no more.
+  if (res_.group) {
+    res_.group.group()->RemoveAwaited(
+        static_cast<int>(writes_.size() + frames_.size()));
+  }
   // Never finished by an engine (its setup failed): its queue pair's last
   // completions are drained with the group held before it is destroyed,
   // so none reaches a later queue pair of the same number, and shared
@@ -212,6 +217,7 @@ Status Connection::SendFrame(
                      config_.peer_receive_bytes, "-byte receive buffers"));
   }
   Status pumped;
+  bool queued = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_.load()) return close_reason_;
@@ -239,16 +245,22 @@ Status Connection::SendFrame(
       // Taken only now: on an error the caller still has it.
       frame.sent = std::move(sent);
       frames_.push_back(std::move(frame));
+      res_.group.group()->AddAwaited();
       pumped = PumpLocked();
+      queued = !frames_.empty();
     }
   }
   if (!pumped.ok()) Close(pumped, "post error");
+  // What frees credits completes on the group: watched, though no call
+  // may await anything there (a cancel's frame outlives its call).
+  if (queued) res_.group.group()->WakeEngineIfUnwatched();
   return absl::OkStatus();
 }
 
 Status Connection::Write(const WriteRequest& request,
                          std::function<void(Status)> done) {
   Status pumped;
+  bool queued = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_.load()) return close_reason_;
@@ -256,9 +268,12 @@ Status Connection::Write(const WriteRequest& request,
       ++counters_.waits_for_credit;
     }
     writes_.push_back(PendingWrite{request, 0, std::move(done)});
+    res_.group.group()->AddAwaited();
     pumped = PumpLocked();
+    queued = !writes_.empty();
   }
   if (!pumped.ok()) Close(pumped, "post error");
+  if (queued) res_.group.group()->WakeEngineIfUnwatched();
   return absl::OkStatus();
 }
 
@@ -637,6 +652,7 @@ Status Connection::PumpLocked() {
     if (!window_.TryTakeForData()) break;
     RDMARPC_RETURN_IF_ERROR(PostFrameLocked(frames_.front(), false));
     frames_.pop_front();
+    res_.group.group()->RemoveAwaited();
   }
   while (!writes_.empty()) {
     PendingWrite& w = writes_.front();
@@ -647,7 +663,10 @@ Status Connection::PumpLocked() {
     if (!taken) break;
     bool finished = false;
     RDMARPC_RETURN_IF_ERROR(PostWritePieceLocked(w, &finished));
-    if (finished) writes_.pop_front();
+    if (finished) {
+      writes_.pop_front();
+      res_.group.group()->RemoveAwaited();
+    }
   }
   if (window_.ShouldSendCreditReturn() && window_.CanTakeForCreditReturn()) {
     if (!SendBufferReadyLocked()) {
@@ -1331,10 +1350,11 @@ bool Connection::FinishClose() {
     for (auto& w : writes_) {
       if (w.done) pending.push_back(std::move(w.done));
     }
-    writes_.clear();
     for (auto& f : frames_) {
       if (f.sent) pending.push_back(std::move(f.sent));
     }
+    group->RemoveAwaited(static_cast<int>(writes_.size() + frames_.size()));
+    writes_.clear();
     frames_.clear();
     for (auto& f : unposted_) pending.push_back(std::move(f));
     unposted_.clear();

@@ -552,8 +552,9 @@ void Engine::Loop() {
       continue;
     }
     // Quiet: complete the frames left unsignaled whose `sent` waits (their
-    // flush write's completion comes while spinning), then arm every
-    // queue, catch what raced with arming, and sleep.
+    // flush write's completion comes while spinning), then arm the queues,
+    // each polled once more under the same hold to catch what raced with
+    // arming, and sleep.
     for (auto& c : conns_) {
       if (c->wants_flush()) progress |= c->FlushUnsignaled();
     }
@@ -563,9 +564,8 @@ void Engine::Loop() {
     }
     // A client group where no call awaits, or that a caller holds, stays
     // unarmed; a server group someone holds is looked at again first.
-    for (auto& g : groups_) progress |= !g->ArmForSleep();
     for (size_t i = 0; i < groups_.size(); ++i) {
-      progress |= groups_[i]->TryPoll() == CompletionGroup::PollResult::kFound;
+      progress |= !groups_[i]->ArmForSleep();
       if (!Drain()) return;
     }
     if (progress) continue;

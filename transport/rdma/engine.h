@@ -30,7 +30,10 @@
 // client group only where a call awaits a completion that no caller polls
 // for, and may sleep while a caller holds one: a caller that stops polling
 // with a call left awaiting wakes it (completion_group.h). So blocking
-// calls made one after another cost their engine nothing.
+// calls made one after another cost their engine nothing. (A group armed
+// for another call whose event comes while a caller holds it still keeps
+// the engine spinning until the caller gives it back: only a holder reads
+// the event.)
 //
 // Connections leave their engine when they close: the engine runs
 // Connection::FinishClose on its thread and drops its reference.
