@@ -22,18 +22,19 @@
 // server's join different groups, so a caller never runs a server's
 // handler on its own thread.
 //
-// A client's group is watched by its engine only while a call awaits a
-// completion there that no caller polls for. The members' calls count
+// A client's group is watched by its engine only while something awaits
+// a completion there that no caller polls for. The members' calls count
 // from their start to their end (AddAwaited .. RemoveAwaited), and so do
 // frames and writes queued for the peer's credits (a cancel's). An engine
-// on its way to sleep arms a client group only where calls await and no
-// caller holds it; else it leaves it unarmed and marks it so. Whoever
-// then leaves an awaited call unpolled wakes the engine
+// on its way to sleep arms a client group only where something awaits
+// and no caller holds it; else it leaves it unarmed and marks it so.
+// Whoever then leaves something awaiting unpolled wakes the engine
 // (WakeEngineIfUnwatched): a caller that gives the group back, or sleeps
-// without having taken it, and whoever starts a call no caller polls for.
+// without having taken it, whoever starts a call no caller polls for, and
+// a connection that queues a frame or write.
 // So a thread that makes blocking calls one after another completes each
 // on its own thread while the engine sleeps: no arm, no event, no wake-up.
-// A completion no call awaits (a late response to a cancelled call, a
+// A completion nothing awaits (a late response to a cancelled call, a
 // send's) waits in the queue for the next poll.
 //
 // A group also holds a protection domain its members share, where the
@@ -214,7 +215,7 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   // a connection and destroying the queue wait for the holder.)
   bool TryTake();
   // Gives the group back, and wakes its engine if it sleeps with the group
-  // unarmed while a call awaits (WakeEngineIfUnwatched). Every holder
+  // unarmed while something awaits (WakeEngineIfUnwatched). Every holder
   // gives back so but the engine's own polls and arms, after which it
   // looks at the group again before it sleeps.
   void GiveBack();
@@ -255,9 +256,9 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   void RemoveAwaited(int n = 1) {
     awaited_.fetch_sub(n, std::memory_order_seq_cst);
   }
-  // Wakes the engine if it sleeps with the group unarmed while a call
-  // awaits: after AddAwaited by a thread that will not poll for the call,
-  // and by a caller that stops polling for its call (GiveBack does it).
+  // Wakes the engine if it sleeps with the group unarmed while something
+  // awaits: after AddAwaited by a thread that will not poll for it, and by
+  // a caller that stops polling for its call (GiveBack does it).
   void WakeEngineIfUnwatched();
   // Times the engine armed the group to sleep.
   uint64_t arms() const { return arms_.load(std::memory_order_relaxed); }
@@ -313,11 +314,11 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   const int epoll_fd_;
   std::atomic<int>* const engine_members_;
   std::atomic<bool> polling_{false};
-  // Calls of members that await a completion, and whether the engine last
-  // went to sleep without arming the group (cleared by whoever arms it or
-  // wakes the engine for it). Sequentially consistent with polling_: a
-  // thread stores one and loads the other, so of two racing threads at
-  // least one sees the other's store.
+  // How many of the members' calls, frames and writes await a completion,
+  // and whether the engine last went to sleep without arming the group
+  // (cleared by whoever arms it or wakes the engine for it). Sequentially
+  // consistent with polling_: a thread stores one and loads the other, so
+  // of two racing threads at least one sees the other's store.
   std::atomic<int> awaited_{0};
   std::atomic<bool> unarmed_{false};
   std::atomic<uint64_t> arms_{0};
