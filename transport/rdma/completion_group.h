@@ -25,13 +25,15 @@
 // A client's group is watched by its engine only while something awaits
 // a completion there that no caller polls for. The members' calls count
 // from their start to their end (AddAwaited .. RemoveAwaited), and so do
-// frames and writes queued for the peer's credits (a cancel's). An engine
+// frames and writes queued for the peer's credits (a cancel's), and work
+// requests posted until they complete, but for frames with no `sent` (a
+// write's, a flush's: Connection::TrackPostedLocked). An engine
 // on its way to sleep arms a client group only where something awaits
 // and no caller holds it; else it leaves it unarmed and marks it so.
 // Whoever then leaves something awaiting unpolled wakes the engine
 // (WakeEngineIfUnwatched): a caller that gives the group back, or sleeps
 // without having taken it, whoever starts a call no caller polls for, and
-// a connection that queues a frame or write.
+// a connection that queues a frame or write or posts a write or flush.
 // So a thread that makes blocking calls one after another completes each
 // on its own thread while the engine sleeps: no arm, no event, no wake-up.
 // A completion nothing awaits (a late response to a cancelled call, a
@@ -250,8 +252,9 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   bool ArmForSleep();
 
   // Something of a member awaits a completion: a client's call, from its
-  // start to its end, or a frame or write queued for the peer's credits
-  // or a send slot, until it is posted. Before the post.
+  // start to its end; a frame or write queued for the peer's credits or a
+  // send slot, until it is posted; a posted work request other than a
+  // frame with no `sent`, until it completes. Before the post.
   void AddAwaited() { awaited_.fetch_add(1, std::memory_order_seq_cst); }
   void RemoveAwaited(int n = 1) {
     awaited_.fetch_sub(n, std::memory_order_seq_cst);
@@ -262,6 +265,9 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   void WakeEngineIfUnwatched();
   // Times the engine armed the group to sleep.
   uint64_t arms() const { return arms_.load(std::memory_order_relaxed); }
+  // Whether the engine went to sleep leaving the group unarmed, and no one
+  // has woken it for the group since (tests wait for it).
+  bool unarmed() const { return unarmed_.load(std::memory_order_seq_cst); }
   // Engine: reads the channel's pending event, unless another thread holds
   // the group (the channel's fd then reports again). Events are
   // acknowledged kEventAckBatch at a time (each acknowledgement takes the

@@ -147,10 +147,11 @@ Connection::Connection(ConnectionResources resources,
 }
 
 Connection::~Connection() {
-  // Queued and never posted (the close was not finished): awaited no more.
+  // Queued, or posted and never completed (the close was not finished):
+  // awaited no more.
   if (res_.group) {
     res_.group.group()->RemoveAwaited(
-        static_cast<int>(writes_.size() + frames_.size()));
+        static_cast<int>(writes_.size() + frames_.size() + awaited_posted_));
   }
   // Never finished by an engine (its setup failed): its queue pair's last
   // completions are drained with the group held before it is destroyed,
@@ -260,7 +261,6 @@ Status Connection::SendFrame(
 Status Connection::Write(const WriteRequest& request,
                          std::function<void(Status)> done) {
   Status pumped;
-  bool queued = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_.load()) return close_reason_;
@@ -270,10 +270,10 @@ Status Connection::Write(const WriteRequest& request,
     writes_.push_back(PendingWrite{request, 0, std::move(done)});
     res_.group.group()->AddAwaited();
     pumped = PumpLocked();
-    queued = !writes_.empty();
   }
   if (!pumped.ok()) Close(pumped, "post error");
-  if (queued) res_.group.group()->WakeEngineIfUnwatched();
+  // Queued or posted, it awaits a completion in the group.
+  res_.group.group()->WakeEngineIfUnwatched();
   return absl::OkStatus();
 }
 
@@ -465,6 +465,12 @@ Status Connection::TrackPostedLocked(uint64_t wr_id, int send_buffer,
   const uint64_t seq = next_seq_++;
   posted_[slot] = Posted{wr_id, send_buffer, std::move(done), seq};
   ++posted_count_;
+  if ((send_buffer < 0 || posted_[slot].done) &&
+      !res_.group.group()->serves()) {
+    posted_[slot].awaited = true;
+    ++awaited_posted_;
+    res_.group.group()->AddAwaited();
+  }
   if (signaled) {
     last_signaled_seq_ = seq;
   } else {
@@ -557,6 +563,10 @@ Connection::Posted* Connection::FindPostedLocked(uint64_t wr_id) {
 }
 
 void Connection::ForgetPostedLocked(Posted* posted) {
+  if (posted->awaited) {
+    --awaited_posted_;
+    res_.group.group()->RemoveAwaited();
+  }
   free_posted_.push_back(static_cast<uint32_t>(posted - posted_.data()));
   *posted = Posted{};
   --posted_count_;
@@ -699,7 +709,8 @@ Status Connection::PumpLocked() {
 
 bool Connection::Busy() {
   if (calls_waiting.load(std::memory_order_relaxed) > 0) return true;
-  FlushUnsignaled(/*any=*/true);
+  // Its completion awaits: an engine asleep on an unarmed group must see it.
+  if (FlushUnsignaled(/*any=*/true)) HandToEngine();
   std::lock_guard<std::mutex> lock(mu_);
   return posted_count_ > 0;
 }
@@ -1347,6 +1358,7 @@ bool Connection::FinishClose() {
     }
     posted_count_ = 0;
     unsignaled_count_ = 0;
+    group->RemoveAwaited(std::exchange(awaited_posted_, 0));
     for (auto& w : writes_) {
       if (w.done) pending.push_back(std::move(w.done));
     }

@@ -468,6 +468,9 @@ class Connection : public std::enable_shared_from_this<Connection>,
     // no longer write into it (a registration once its window is gone too).
     TensorBuffer window_block = {};
     MemoryRegion window_mr = {};
+    // Counted as awaited in a client group until it completes (see
+    // TrackPostedLocked).
+    bool awaited = false;
   };
 
   friend class CompletionGroup;
@@ -515,6 +518,9 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // write posted aside completes after frames posted after it.
   StatusOr<uint64_t> NextWrIdLocked();
   // Fills the slot `wr_id` names (the next free one) once it is posted.
+  // In a client group, whose engine watches only what awaits, the work
+  // request awaits its completion unless it is a frame with no `sent`: a
+  // write's or flush's completion must come while no call is in flight.
   Status TrackPostedLocked(uint64_t wr_id, int send_buffer,
                            std::function<void(Status)> done,
                            bool signaled = true);
@@ -630,6 +636,7 @@ class Connection : public std::enable_shared_from_this<Connection>,
   int aside_queued_ = 0;
   std::chrono::steady_clock::time_point aside_idle_since_;
   size_t posted_count_ = 0;
+  int awaited_posted_ = 0;  // of posted_, how many count as awaited
   uint64_t next_wr_id_ = 1;
   Status close_reason_;
   const char* close_trigger_ = "";

@@ -1398,8 +1398,15 @@ class RecordingHandler final : public rdmarpc::rdma::Connection::Handler {
     closed_ = why;
     cv_.notify_all();
   }
+  // The connection whose frames this records. A client connection's group
+  // is watched only while something awaits there, so the waits below
+  // await as a blocking caller does: counted, with the engine woken.
+  void Watch(std::weak_ptr<rdmarpc::rdma::Connection> conn) {
+    conn_ = std::move(conn);
+  }
   // The next frame's head, or "" after 10 s.
   std::pair<rdmarpc::rdma::FrameType, std::string> Next() {
+    Awaiting awaiting(conn_.lock());
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait_for(lock, std::chrono::seconds(10),
                  [&] { return !frames_.empty(); });
@@ -1409,12 +1416,32 @@ class RecordingHandler final : public rdmarpc::rdma::Connection::Handler {
     return f;
   }
   bool WaitClosed() {
+    Awaiting awaiting(conn_.lock());
     std::unique_lock<std::mutex> lock(mu_);
     return cv_.wait_for(lock, std::chrono::seconds(10),
                         [&] { return !closed_.ok(); });
   }
 
  private:
+  class Awaiting {
+   public:
+    explicit Awaiting(std::shared_ptr<rdmarpc::rdma::Connection> conn)
+        : conn_(std::move(conn)) {
+      if (conn_ == nullptr) return;
+      conn_->group()->AddAwaited();
+      conn_->group()->WakeEngineIfUnwatched();
+    }
+    ~Awaiting() {
+      if (conn_ != nullptr) conn_->group()->RemoveAwaited();
+    }
+    Awaiting(const Awaiting&) = delete;
+    Awaiting& operator=(const Awaiting&) = delete;
+
+   private:
+    std::shared_ptr<rdmarpc::rdma::Connection> conn_;
+  };
+
+  std::weak_ptr<rdmarpc::rdma::Connection> conn_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::pair<rdmarpc::rdma::FrameType, std::string>> frames_;
@@ -1468,10 +1495,12 @@ class ForgedPeerTest : public ::testing::Test {
     // As the client transport starts its peer.
     config.first_receives = rdmarpc::rdma::FirstReceives(config.receives);
     config.peer_receive_bytes = hello.receive_bytes();
-    return rdmarpc::rdma::ConnectToServer(
+    auto conn = rdmarpc::rdma::ConnectToServer(
         hello.cm_address(), static_cast<uint16_t>(hello.cm_port()), token,
-        config, std::move(handler),
+        config, handler,
         std::chrono::steady_clock::now() + std::chrono::seconds(5));
+    if (conn.ok()) handler->Watch(*conn);
+    return conn;
   }
 
   // `count` more connections, each with a handler of its own; false (with
@@ -2023,6 +2052,15 @@ TEST_F(ForgedPeerTest, UnsignaledFramesCompleteOnceFlushed) {
   }
   // No `sent`: none of them asked for a completion of its own.
   EXPECT_EQ((*conn)->counters().frames_unsignaled, 3u);
+  // Nothing awaits in the client's group, so its engine goes to sleep with
+  // the queue unarmed: the flush's completion must wake it all the same.
+  const auto give_up =
+      std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!(*conn)->group()->unarmed() &&
+         std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_TRUE((*conn)->group()->unarmed());
   // Nothing signaled follows them, so they stay outstanding until Busy()
   // posts the zero-length write whose completion covers them.
   bool busy = true;
