@@ -504,6 +504,9 @@ void CompletionGroup::GiveBack() {
 }
 
 void CompletionGroup::WakeEngineIfUnwatched() {
+  // A holder (a caller polling for its call) wakes it, if need be, when it
+  // gives the group back.
+  if (HeldHere()) return;
   if (unarmed_.load(std::memory_order_seq_cst) &&
       awaited_.load(std::memory_order_seq_cst) > 0 &&
       unarmed_.exchange(false, std::memory_order_seq_cst)) {

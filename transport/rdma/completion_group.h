@@ -254,7 +254,8 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   // Something of a member awaits a completion: a client's call, from its
   // start to its end; a frame or write queued for the peer's credits or a
   // send slot, until it is posted; a posted work request other than a
-  // frame with no `sent`, until it completes. Before the post.
+  // frame with no `sent`, until it completes. Before the post, or under
+  // the connection's lock that its completion takes.
   void AddAwaited() { awaited_.fetch_add(1, std::memory_order_seq_cst); }
   void RemoveAwaited(int n = 1) {
     awaited_.fetch_sub(n, std::memory_order_seq_cst);
@@ -262,6 +263,8 @@ class CompletionGroup : public std::enable_shared_from_this<CompletionGroup> {
   // Wakes the engine if it sleeps with the group unarmed while something
   // awaits: after AddAwaited by a thread that will not poll for it, and by
   // a caller that stops polling for its call (GiveBack does it).
+  // A thread that holds the group wakes no one: it does when it gives the
+  // group back.
   void WakeEngineIfUnwatched();
   // Times the engine armed the group to sleep.
   uint64_t arms() const { return arms_.load(std::memory_order_relaxed); }

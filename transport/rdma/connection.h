@@ -463,14 +463,14 @@ class Connection : public std::enable_shared_from_this<Connection>,
     // A window's bind or invalidation: takes no slot of the credit
     // window (kWindowWorkRequests), and an invalidation frees its window.
     bool window_op = false;
+    // Counted as awaited in a client group until it completes (see
+    // TrackPostedLocked).
+    bool awaited = false;
     int window = -1;
     // An invalidation's memory: released with the slot, once the peer can
     // no longer write into it (a registration once its window is gone too).
     TensorBuffer window_block = {};
     MemoryRegion window_mr = {};
-    // Counted as awaited in a client group until it completes (see
-    // TrackPostedLocked).
-    bool awaited = false;
   };
 
   friend class CompletionGroup;

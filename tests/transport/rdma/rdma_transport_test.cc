@@ -1404,12 +1404,16 @@ class RecordingHandler final : public rdmarpc::rdma::Connection::Handler {
   void Watch(std::weak_ptr<rdmarpc::rdma::Connection> conn) {
     conn_ = std::move(conn);
   }
-  // The next frame's head, or "" after 10 s.
+  // The next frame's head, or "" after 10 s. It waits a while before it
+  // counts as awaiting, so a reply the engine catches while it spins arms
+  // nothing (UnsignaledFramesCompleteOnceFlushed wants the queue unarmed).
   std::pair<rdmarpc::rdma::FrameType, std::string> Next() {
-    Awaiting awaiting(conn_.lock());
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_for(lock, std::chrono::seconds(10),
-                 [&] { return !frames_.empty(); });
+    const auto arrived = [&] { return !frames_.empty(); };
+    if (!cv_.wait_for(lock, std::chrono::milliseconds(200), arrived)) {
+      Awaiting awaiting(conn_.lock());
+      cv_.wait_for(lock, std::chrono::seconds(10), arrived);
+    }
     if (frames_.empty()) return {rdmarpc::rdma::FrameType::kCredit, ""};
     auto f = frames_.front();
     frames_.pop_front();
@@ -2052,8 +2056,10 @@ TEST_F(ForgedPeerTest, UnsignaledFramesCompleteOnceFlushed) {
   }
   // No `sent`: none of them asked for a completion of its own.
   EXPECT_EQ((*conn)->counters().frames_unsignaled, 3u);
-  // Nothing awaits in the client's group, so its engine goes to sleep with
-  // the queue unarmed: the flush's completion must wake it all the same.
+  // Nothing awaits in the client's group now, so its engine, woken, goes
+  // back to sleep with the queue unarmed (it may have armed it while the
+  // pongs were awaited): the flush's completion must wake it all the same.
+  (*conn)->engine()->Wake();
   const auto give_up =
       std::chrono::steady_clock::now() + std::chrono::seconds(10);
   while (!(*conn)->group()->unarmed() &&
