@@ -218,7 +218,8 @@ Status Connection::SendFrame(
                      config_.peer_receive_bytes, "-byte receive buffers"));
   }
   Status pumped;
-  bool queued = false;
+  // Posted with its `sent`, it awaits its completion (TrackPostedLocked).
+  bool awaits = sent != nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closed_.load()) return close_reason_;
@@ -248,13 +249,13 @@ Status Connection::SendFrame(
       frames_.push_back(std::move(frame));
       res_.group.group()->AddAwaited();
       pumped = PumpLocked();
-      queued = !frames_.empty();
+      awaits |= !frames_.empty();
     }
   }
   if (!pumped.ok()) Close(pumped, "post error");
   // What frees credits completes on the group: watched, though no call
   // may await anything there (a cancel's frame outlives its call).
-  if (queued) res_.group.group()->WakeEngineIfUnwatched();
+  if (awaits) res_.group.group()->WakeEngineIfUnwatched();
   return absl::OkStatus();
 }
 
