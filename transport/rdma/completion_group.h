@@ -33,7 +33,8 @@
 // Whoever then leaves something awaiting unpolled wakes the engine
 // (WakeEngineIfUnwatched): a caller that gives the group back, or sleeps
 // without having taken it, whoever starts a call no caller polls for, and
-// a connection that queues a frame or write or posts a write or flush.
+// a connection that queues a frame or write, or posts a write, a flush or
+// a frame with a `sent`.
 // So a thread that makes blocking calls one after another completes each
 // on its own thread while the engine sleeps: no arm, no event, no wake-up.
 // A completion nothing awaits (a late response to a cancelled call, a
