@@ -123,7 +123,8 @@ rpc_syscalls() {
 # call's time goes, and it does not drift between runs the way timings do.
 # (perftest busy-polls, so its count is its waiting time: no reference
 # row.) Prints "instructions,SYSTEM-STYLE,PARAM,per_call,V,n", then the
-# lock rows of callgrind_locks.py.
+# lock rows of callgrind_locks.py and the breakdown rows of
+# callgrind_breakdown.py.
 # stock-release-mutexes is stock gRPC with Abseil's debug deadlock detector
 # off, as rdmarpc's gRPC transports turn it off (release_mutexes.h).
 rpc_instructions() {
@@ -156,9 +157,12 @@ rpc_instructions() {
                    param, (t[b] - t[a]) / 2000}' sys="$sys" style="$style" \
     param="$param" \
     a="$sc_tmp/cg.1000" b="$sc_tmp/cg.3000" "$sc_tmp/cg.1000" "$sc_tmp/cg.3000"
-  # Lock acquisitions per call from the same two profiles.
+  # Lock acquisitions per call, and where the instructions go, from the
+  # same two profiles.
   python3 bench/callgrind_locks.py "$sc_tmp/cg.1000" "$sc_tmp/cg.3000" 2000 \
     "$sys-$style"
+  python3 bench/callgrind_breakdown.py "$sc_tmp/cg.1000" "$sc_tmp/cg.3000" \
+    2000 "$sys-$style"
 }
 instructions_all() {
   local sys prefix

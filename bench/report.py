@@ -19,6 +19,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from callgrind_breakdown import PARTS as BREAKDOWN_PARTS  # noqa: E402
+
 
 def load(out):
     rows = []
@@ -510,6 +513,28 @@ def main():
         if fast is not None:
             targets.append(("mutexes per call, RDMA, blocking stub, inline "
                             "handlers (both ends): 0", fast, fast <= 0.1))
+    parts = {}
+    for r in rows:
+        if r["experiment"] == "breakdown":
+            parts.setdefault(r["system"], {})[r["metric"]] = float(r["value"])
+    if parts:
+        systems = sorted(parts)
+        md += ["## Where a 64 B call's instructions go (both ends, callgrind)",
+               "", "From the same two profiles as the instructions "
+               "(bench/callgrind_breakdown.py): each function's own "
+               "instructions, by the part of the path it belongs to (its "
+               "library, and in rdmarpc's library its class or file). The "
+               "parts add up to the instructions per call.", "",
+               "| part | " + " | ".join(systems) + " |",
+               "|---|" + "---|" * len(systems)]
+        for metric, what in BREAKDOWN_PARTS:
+            values = [parts[s].get(metric) for s in systems]
+            if not any(values):
+                continue
+            md.append(f"| {what} | " +
+                      " | ".join(str(round(v)) if v is not None else ""
+                                 for v in values) + " |")
+        md.append("")
     allocs = {(exp, s): get(exp, s, "allocations_per_call").get(64)
               for exp in ("latency", "blocking")
               for s in ("rdma", "rdma-inline", "grpc", "grpc-inline", "stock")}
