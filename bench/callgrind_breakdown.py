@@ -57,18 +57,21 @@ LIBRARY = (
      r"RequestHead|ResponseHead|Region|Grant|Cancel|Ping)|rdmarpc::Tensor|"
      r"google::protobuf)::", "library_protobuf"),
     (r"^(std::|absl::|__gnu_cxx::)", "library_std"),
-    (r"^rdmarpc::grpc_transport::", "grpc_transport"),
+    (r"^(rdmarpc::grpc_transport|grpc)::", "grpc_transport"),
     (r"CallLog", "call_log"),
     (r"ServerDispatcher|rdmarpc::internal::Server|ServerContext",
      "server_dispatch"),
     (r"ServerEndpoint", "rdma_server"),
-    (r"ClientEndpoint|RdmaClientTransport|ClientRecord|GrantTable",
+    (r"ClientEndpoint|RdmaClientTransport|ClientRecord|GrantTable|"
+     r"rdma::Outcome",
      "rdma_client"),
     (r"Channel::|TransportRouter|ClientContext|CallWaiter|CallerPoll",
      "channel"),
     (r"Connection::|CreditWindow|SendPool", "rdma_connection"),
     (r"Engine::|CompletionGroup|Spin|RecordRoundTrip|RecordIdleGap|"
-     r"PollerHooks|OnPollerThread", "engine_polling"),
+     r"PollerHooks|OnPollerThread|CompletionThread|InlineHandler|"
+     r"ThreadPoller|BeforeBlockingCall|^rdmarpc::internal::\{anonymous\}::"
+     r"Limits$", "engine_polling"),
     (r"Payload|Frame|Parse(Request|Response|HeadInto)|Check(Parts|Metadata)|"
      r"PlanOutgoing|AcceptIncoming|Walk|CollectTensors|CollectMutableTensors|"
      r"TensorByteSize|CallTensors|TensorBuffer|ExpectedSize|ChooseMover|"
@@ -89,10 +92,18 @@ LIBC = (
 )
 
 
+# An operator's own name, which may hold brackets (operator<<, operator(),
+# operator->) or a type (operator bool, operator std::string_view<...>).
+OPERATOR = re.compile(r"operator(\(\)|\[\]|->\*?|<=>|<<=?|>>=?|[<>!=]=|"
+                      r"[-+*/%^&|~!=<>,]=?|&&|\|\||\+\+|--|"
+                      r" ?(new|delete)(\[\])?|\s+[^(]+)")
+
+
 def qualified_name(fn):
     """`fn` without its parameters and return type: what it is a member of
     decides its part, not the types it takes."""
     fn = fn.replace("(anonymous namespace)", "{anonymous}")
+    fn = OPERATOR.sub("operator@", fn)
     depth = 0
     space = -1
     for i, c in enumerate(fn):
@@ -150,6 +161,9 @@ def exclusive(path):
     parts = {}
     ob = fn = ""
     part = "other"
+    positions = 1  # columns before the events (callgrind's default: line)
+    ir = 1  # the Ir column
+    total = None
     call_cost_next = False
     with open(path) as f:
         for line in f:
@@ -173,10 +187,20 @@ def exclusive(path):
                 name_of("fl", value)
             elif key == "calls":
                 call_cost_next = True
+            elif line.startswith("positions:"):
+                positions = len(line.split()) - 1
+            elif line.startswith("events:"):
+                ir = positions + line.split()[1:].index("Ir")
+            elif line.startswith("totals:"):
+                total = int(line.split()[1 + ir - positions])
             elif line[:1].isdigit() or line[:1] in "+-*":
                 fields = line.split()
-                if len(fields) >= 2:
-                    parts[part] = parts.get(part, 0) + int(fields[1])
+                if len(fields) > ir:
+                    parts[part] = parts.get(part, 0) + int(fields[ir])
+    # A format this does not read must not pass for a breakdown.
+    if total is not None and sum(parts.values()) != total:
+        sys.exit(f"{path}: the functions' own instructions sum to "
+                 f"{sum(parts.values())}, not the profile's {total}")
     return parts
 
 
@@ -188,7 +212,7 @@ def main():
     calls = float(calls)
     for metric, _ in PARTS:
         value = (b.get(metric, 0) - a.get(metric, 0)) / calls
-        print(f"breakdown,{system},64,{metric},{value:.0f},n")
+        print(f"breakdown,{system},64,{metric},{round(value)},n")
 
 
 if __name__ == "__main__":

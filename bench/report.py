@@ -523,8 +523,13 @@ def main():
                "", "From the same two profiles as the instructions "
                "(bench/callgrind_breakdown.py): each function's own "
                "instructions, by the part of the path it belongs to (its "
-               "library, and in rdmarpc's library its class or file). The "
-               "parts add up to the instructions per call.", "",
+               "library, and in rdmarpc's library its class or file; a "
+               "lambda called through std::function counts with the "
+               "std templates). The parts, each rounded, add up to the "
+               "instructions per call. The bench's own part holds its "
+               "service and messages and its harness (call loop, malloc "
+               "counter, percentile sort); fault points are compiled in "
+               "because the bench runs the test build.", "",
                "| part | " + " | ".join(systems) + " |",
                "|---|" + "---|" * len(systems)]
         for metric, what in BREAKDOWN_PARTS:

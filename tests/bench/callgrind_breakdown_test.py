@@ -18,41 +18,44 @@ import callgrind_breakdown as cb  # noqa: E402
 LIB = "/build/runtime/librdmarpc.so.0.1.0"
 LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
 
-# Connection::SendFrame costs 30 of its own and calls malloc (7) once; the
-# line after calls= is that call's inclusive cost and not SendFrame's.
-# ServerEndpoint::OnRequest's name then comes compressed, as does libc.
-SHORT = f"""# callgrind format
+
+def profile(n):
+    """A program that made `n` calls: each function's own cost is `n`
+    times its cost per call. Connection::SendFrame costs 30 of its own per
+    call (lines "10", "+2" and "-1", then "*": the same line again) and
+    calls malloc (7) once; the line after calls= is that call's inclusive
+    cost (which also holds its instructions before the first call) and not
+    SendFrame's. ServerEndpoint::OnRequest's name then comes compressed, as
+    does libc. Three events: Ir is the second column after the position."""
+    return f"""# callgrind format
 version: 1
 positions: line
-events: Ir
-summary: 57
+events: Dr Ir Dw
+summary: {57 * n}
 
 ob=(1) {LIB}
 fl=(1) /src/connection.cc
 fn=(1) rdmarpc::rdma::Connection::SendFrame(std::span<int const>)
-10 20
-+2 10
+10 99 {14 * n} 5
++2 99 {10 * n} 5
+-1 99 {4 * n} 5
+* 99 {2 * n} 5
 cob=(2) {LIBC}
 cfi=(2) ./malloc/malloc.c
 cfn=(2) malloc
-calls=1 0
-12 7
+calls={n} 0
+12 99 {7 * n + 100} 5
 fn=(3) rdmarpc::rdma::ServerEndpoint::OnRequest(rdmarpc::rdma::FrameView const&)
-5 13
+5 99 {13 * n} 5
 ob=(2)
 fl=(2)
 fn=(2)
-0 7
+0 99 {7 * n} 5
 ob=(1)
 fn=(4) absl::debian3::Status rdmarpc::rdma::(anonymous namespace)::ParseHeadInto<rdmarpc::rdma::Grant>(std::string_view)
-1 7
-totals: 57
+1 99 {7 * n} 5
+totals: 0 {57 * n} 40
 """
-
-# The same program after one more call: each function once more.
-LONG = SHORT.replace("10 20", "10 40").replace("+2 10", "+2 20").replace(
-    "5 13", "5 26").replace("0 7\nob=(1)", "0 14\nob=(1)").replace(
-        "1 7\ntotals", "1 14\ntotals")
 
 
 class BreakdownTest(unittest.TestCase):
@@ -65,7 +68,7 @@ class BreakdownTest(unittest.TestCase):
         return f.name
 
     def test_parts_are_each_functions_own_instructions(self):
-        parts = cb.exclusive(self.write(SHORT))
+        parts = cb.exclusive(self.write(profile(1)))
         self.assertEqual(parts, {"rdma_connection": 30, "rdma_server": 13,
                                  "malloc_free": 7, "framing_payload": 7})
         self.assertEqual(sum(parts.values()), 57)
@@ -80,6 +83,16 @@ class BreakdownTest(unittest.TestCase):
             "std::_Any_data const&)"),
             "std::_Function_handler<void (absl::Status), "
             "rdmarpc::rdma::X::F()::{lambda(absl::Status)#1}>::_M_invoke")
+        # Operators may hold brackets or a type.
+        self.assertEqual(cb.qualified_name(
+            "std::ostream& rdmarpc::operator<<(std::ostream&, int)"),
+            "rdmarpc::operator@")
+        self.assertEqual(cb.qualified_name(
+            "rdmarpc::Ref<rdmarpc::X>::operator->() const"),
+            "rdmarpc::Ref<rdmarpc::X>::operator@")
+        self.assertEqual(cb.part_of(
+            LIB, "rdmarpc::rdma::Connection::operator std::basic_string_view"
+            "<char, std::char_traits<char> >() const"), "rdma_connection")
         self.assertEqual(cb.part_of(LIB, "std::_Function_handler<void (int), "
                                     "rdmarpc::rdma::ServerEndpoint::F()"
                                     "::{lambda(int)#1}>::_M_invoke(int)"),
@@ -89,9 +102,9 @@ class BreakdownTest(unittest.TestCase):
                          "library_protobuf")
 
     def test_difference_over_calls(self):
-        short, long_ = self.write(SHORT), self.write(LONG)
+        short, long_ = self.write(profile(1)), self.write(profile(3))
         out = subprocess.run(
-            [sys.executable, cb.__file__, short, long_, "1", "sys-style"],
+            [sys.executable, cb.__file__, short, long_, "2", "sys-style"],
             check=True, capture_output=True, text=True).stdout.splitlines()
         rows = {line.split(",")[3]: int(line.split(",")[4]) for line in out}
         self.assertEqual(len(rows), len(cb.PARTS))
