@@ -150,13 +150,15 @@ FastConnectResult TransportRouter::Connect() {
     SendOverFallback(std::move(call), std::move(why));
   };
   // The transport is not known yet when the hook is made; it names itself
-  // through the connection it lost.
-  auto self = std::make_shared<const FastTransport*>(nullptr);
+  // through the connection it lost. Atomic: the connection may be lost on
+  // its engine's thread as this one names it. Lost before that, it names
+  // none here, and Route finds it unhealthy once published.
+  auto self = std::make_shared<std::atomic<const FastTransport*>>(nullptr);
   hooks.lost = [this, self](const Status& why, const std::string& trigger) {
-    OnLost(*self, why, trigger);
+    OnLost(self->load(std::memory_order_acquire), why, trigger);
   };
   FastConnectResult connected = connect_(std::move(hooks));
-  *self = connected.transport.get();
+  self->store(connected.transport.get(), std::memory_order_release);
   return connected;
 }
 

@@ -80,7 +80,17 @@ class FakeFast final : public FastTransport {
       c.done(absl::UnavailableError("the channel was destroyed"));
     }
   }
-  void Start(ClientCall call) override { held_.Hold(std::move(call)); }
+  // A call started once the connection is lost is re-sent, as the RDMA
+  // transport does: none waits on a dead path.
+  void Start(ClientCall call) override {
+    std::lock_guard<std::mutex> losing(lose_mu_);
+    if (!health().ok()) {
+      call.resend = ClientCall::Resend{hooks_.client_id, 1, {}};
+      hooks_.reroute(std::move(call), "fake connection broke");
+      return;
+    }
+    held_.Hold(std::move(call));
+  }
   Status health() const override {
     std::lock_guard<std::mutex> lock(mu_);
     return health_;
@@ -117,7 +127,10 @@ class FakeFast final : public FastTransport {
 // Connect outcomes the test scripts, one per attempt; the last repeats.
 class ScriptedConnector {
  public:
-  enum class Outcome { kConnect, kFail, kNoFastPath };
+  // kConnectThenLose: connected, and lost at once on another thread (an
+  // RDMA connection's engine may close it as the connect returns).
+  enum class Outcome { kConnect, kConnectThenLose, kFail, kNoFastPath };
+  ~ScriptedConnector() { JoinLosers(); }
   explicit ScriptedConnector(std::vector<Outcome> script)
       : script_(std::move(script)) {}
 
@@ -126,9 +139,13 @@ class ScriptedConnector {
     Outcome o = script_[std::min(attempts_, script_.size() - 1)];
     ++attempts_;
     switch (o) {
-      case Outcome::kConnect: {
+      case Outcome::kConnect:
+      case Outcome::kConnectThenLose: {
         auto fast = std::make_unique<FakeFast>(std::move(hooks));
         last_ = fast.get();
+        if (o == Outcome::kConnectThenLose) {
+          losers_.emplace_back([fast = fast.get()] { fast->Lose("at once"); });
+        }
         return {std::move(fast), absl::OkStatus()};
       }
       case Outcome::kFail:
@@ -152,12 +169,23 @@ class ScriptedConnector {
     std::lock_guard<std::mutex> lock(mu_);
     return attempts_;
   }
+  // Waits for the threads of kConnectThenLose; before the router goes (a
+  // lost transport outlives its Lose: its destructor waits for it).
+  void JoinLosers() {
+    std::vector<std::thread> losers;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      losers.swap(losers_);
+    }
+    for (std::thread& t : losers) t.join();
+  }
 
  private:
   std::mutex mu_;
   std::vector<Outcome> script_;
   size_t attempts_ = 0;
   FakeFast* last_ = nullptr;
+  std::vector<std::thread> losers_;
 };
 using Outcome = ScriptedConnector::Outcome;
 
@@ -322,6 +350,21 @@ TEST_F(TransportRouterTest, LostConnectionResendsEachCallInFlightOnce) {
   EXPECT_FALSE(fallback_.started().back().second);
   EXPECT_NE(contexts_.back()->stats().transport_reason.find("being probed"),
             std::string::npos);
+}
+
+// A connection lost on its engine's thread as the connect returns, before
+// or after the router names the transport it made (naming it raced with
+// the loss: TSan), still ends the call that waited for the connect once,
+// over the fallback, and the channel degrades.
+TEST_F(TransportRouterTest, AConnectionLostAsItConnectsEndsItsCallOnce) {
+  auto router = Router(Options(), {Outcome::kConnectThenLose, Outcome::kFail});
+  Route(*router, 1);
+  ASSERT_TRUE(WaitForRun(dones_[1]));
+  connector_->JoinLosers();
+  EXPECT_EQ(dones_[1].runs.load(), 1);
+  EXPECT_TRUE(dones_[1].status->ok());
+  EXPECT_EQ(fallback_.started().size(), 1u);
+  EXPECT_TRUE(WaitFor(*router, RdmaHealth::kDegraded));
 }
 
 // A path that keeps breaking right after each probe gets through (a lossy

@@ -1406,7 +1406,7 @@ class RecordingHandler final : public rdmarpc::rdma::Connection::Handler {
   }
   // The next frame's head, or "" after 10 s. It waits a while before it
   // counts as awaiting, so a reply the engine catches while it spins arms
-  // nothing (UnsignaledFramesCompleteOnceFlushed wants the queue unarmed).
+  // nothing.
   std::pair<rdmarpc::rdma::FrameType, std::string> Next() {
     std::unique_lock<std::mutex> lock(mu_);
     const auto arrived = [&] { return !frames_.empty(); };
@@ -2038,11 +2038,21 @@ TEST_F(ForgedPeerTest, QuietConnectionsBorrowTheirGroupsSendBuffers) {
 TEST_F(ForgedPeerTest, UnsignaledFramesCompleteOnceFlushed) {
   // Frames in buffers borrowed from a group's pool are all signaled.
   rdmarpc::rdma::SetSendPoolsForTesting(false);
-  absl::Cleanup lend_again = [] {
+  // A queue of its own: an arm another test's connection left on a shared
+  // one would raise an event for the flush's completion and hide a flush
+  // that nothing watches.
+  rdmarpc::rdma::CompletionGroup::SetMaxMembersForTesting(1);
+  absl::Cleanup restore = [] {
     rdmarpc::rdma::SetSendPoolsForTesting(true);
+    rdmarpc::rdma::CompletionGroup::SetMaxMembersForTesting(0);
+    rdmarpc::internal::SetSpinForTesting(std::chrono::microseconds(0));
   };
   rdmarpc::rdma::HelloResponse hello = Hello();
-  auto handler = std::make_shared<RecordingHandler>();
+  std::atomic<int> pongs{0};
+  auto handler = std::make_shared<RecordingHandler>(
+      [&](const rdmarpc::rdma::FrameView& frame) {
+        if (frame.type == rdmarpc::rdma::FrameType::kPong) ++pongs;
+      });
   auto conn = Connect(hello, hello.token(), handler);
   ASSERT_TRUE(conn.ok()) << conn.status();
   rdmarpc::rdma::Ping ping;
@@ -2051,24 +2061,34 @@ TEST_F(ForgedPeerTest, UnsignaledFramesCompleteOnceFlushed) {
     ASSERT_TRUE(
         (*conn)->SendFrame(rdmarpc::rdma::FrameType::kPing, &ping).ok());
   }
-  for (int i = 0; i < 3; ++i) {
-    EXPECT_EQ(handler->Next().first, rdmarpc::rdma::FrameType::kPong);
-  }
-  // No `sent`: none of them asked for a completion of its own.
-  EXPECT_EQ((*conn)->counters().frames_unsignaled, 3u);
-  // Nothing awaits in the client's group now, so its engine, woken, goes
-  // back to sleep with the queue unarmed (it may have armed it while the
-  // pongs were awaited): the flush's completion must wake it all the same.
-  (*conn)->engine()->Wake();
+  // This thread polls for the pongs as a blocking caller does, so the
+  // engine arms nothing meanwhile, and nothing awaits once it gives the
+  // queue back. The pongs' completions come after every arm before them
+  // (the connection's set-up): none is left to raise an event later.
   const auto give_up =
       std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!(*conn)->TakeForCaller() &&
+         std::chrono::steady_clock::now() < give_up) {
+  }
+  while (pongs.load() < 3 && std::chrono::steady_clock::now() < give_up) {
+    (void)(*conn)->PollTaken();
+  }
+  (*conn)->GiveBack();
+  ASSERT_EQ(pongs.load(), 3);
+  // No `sent`: none of them asked for a completion of its own.
+  EXPECT_EQ((*conn)->counters().frames_unsignaled, 3u);
+  // The engine, woken by a spent arm's event if there was one, goes back
+  // to sleep with the queue unarmed after a short spin.
+  rdmarpc::internal::SetSpinForTesting(std::chrono::microseconds(50));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
   while (!(*conn)->group()->unarmed() &&
          std::chrono::steady_clock::now() < give_up) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   ASSERT_TRUE((*conn)->group()->unarmed());
   // Nothing signaled follows them, so they stay outstanding until Busy()
-  // posts the zero-length write whose completion covers them.
+  // posts the zero-length write whose completion covers them; the engine
+  // asleep must be woken to poll it.
   bool busy = true;
   for (int i = 0; i < 10000 && (busy = (*conn)->Busy()); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
