@@ -2048,10 +2048,12 @@ TEST_F(ForgedPeerTest, UnsignaledFramesCompleteOnceFlushed) {
     rdmarpc::internal::SetSpinForTesting(std::chrono::microseconds(0));
   };
   rdmarpc::rdma::HelloResponse hello = Hello();
-  std::atomic<int> pongs{0};
+  // Shared with the handler, which a connection left open by a failed
+  // assertion outlives this test with.
+  auto pongs = std::make_shared<std::atomic<int>>(0);
   auto handler = std::make_shared<RecordingHandler>(
-      [&](const rdmarpc::rdma::FrameView& frame) {
-        if (frame.type == rdmarpc::rdma::FrameType::kPong) ++pongs;
+      [pongs](const rdmarpc::rdma::FrameView& frame) {
+        if (frame.type == rdmarpc::rdma::FrameType::kPong) ++*pongs;
       });
   auto conn = Connect(hello, hello.token(), handler);
   ASSERT_TRUE(conn.ok()) << conn.status();
@@ -2067,14 +2069,17 @@ TEST_F(ForgedPeerTest, UnsignaledFramesCompleteOnceFlushed) {
   // (the connection's set-up): none is left to raise an event later.
   const auto give_up =
       std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (!(*conn)->TakeForCaller() &&
+  bool took = false;
+  while (!(took = (*conn)->TakeForCaller()) &&
          std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::yield();
   }
-  while (pongs.load() < 3 && std::chrono::steady_clock::now() < give_up) {
+  ASSERT_TRUE(took);
+  while (pongs->load() < 3 && std::chrono::steady_clock::now() < give_up) {
     (void)(*conn)->PollTaken();
   }
   (*conn)->GiveBack();
-  ASSERT_EQ(pongs.load(), 3);
+  ASSERT_EQ(pongs->load(), 3);
   // No `sent`: none of them asked for a completion of its own.
   EXPECT_EQ((*conn)->counters().frames_unsignaled, 3u);
   // The engine, woken by a spent arm's event if there was one, goes back
