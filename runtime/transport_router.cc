@@ -152,7 +152,7 @@ FastConnectResult TransportRouter::Connect() {
   // The transport is not known yet when the hook is made; it names itself
   // through the connection it lost. Atomic: the connection may be lost on
   // its engine's thread as this one names it. Lost before that, it names
-  // none here, and Route finds it unhealthy once published.
+  // none here, and AdoptLocked finds it unhealthy.
   auto self = std::make_shared<std::atomic<const FastTransport*>>(nullptr);
   hooks.lost = [this, self](const Status& why, const std::string& trigger) {
     OnLost(self->load(std::memory_order_acquire), why, trigger);
@@ -211,10 +211,14 @@ void TransportRouter::Loop() {
       FastConnectResult connected = Connect();
       lock.lock();
       if (connected.transport) {
-        fast_ = std::move(connected.transport);
-        health_ = RdmaHealth::kReady;
-        PublishFastLocked();
-        ready_since_ = std::chrono::steady_clock::now();
+        if (Status lost = AdoptLocked(std::move(connected.transport));
+            !lost.ok()) {
+          reason_ = absl::StrCat("RDMA connection lost as it connected (",
+                                 lost.message(), ")");
+          health_ = RdmaHealth::kDegraded;
+          counts_.last_trigger = "connection lost";
+          counts_.last_error = std::string(lost.message());
+        }
       } else {
         reason_ = std::string(connected.error.message());
         // No RDMA on a side is not going to change; anything else might.
@@ -272,20 +276,24 @@ void TransportRouter::Loop() {
     FastConnectResult connected = Connect();
     lock.lock();
     ++counts_.probes;
-    if (!connected.transport) {
-      counts_.last_probe_error = std::string(connected.error.message());
+    if (connected.transport && stopping_) {
+      retired_.push_back(std::move(connected.transport));
+      continue;
+    }
+    Status failed = connected.error;
+    if (connected.transport) {
+      if (Status lost = AdoptLocked(std::move(connected.transport));
+          !lost.ok()) {
+        failed = absl::UnavailableError(absl::StrCat(
+            "connection lost as it connected (", lost.message(), ")"));
+      }
+    }
+    if (health_ != RdmaHealth::kReady) {
+      counts_.last_probe_error = std::string(failed.message());
       probe_backoff_ =
           std::min(probe_backoff_ * 2, options_.rdma_probe_max_backoff);
       continue;
     }
-    if (stopping_) {
-      retired_.push_back(std::move(connected.transport));
-      continue;
-    }
-    fast_ = std::move(connected.transport);
-    health_ = RdmaHealth::kReady;
-    PublishFastLocked();
-    ready_since_ = std::chrono::steady_clock::now();
     ++counts_.switches;
     reason_.clear();
     // Calls that waited for this go now.
@@ -296,6 +304,21 @@ void TransportRouter::Loop() {
     for (ParkedCall& p : parked) (void)Route(std::move(p.call));
     lock.lock();
   }
+}
+
+Status TransportRouter::AdoptLocked(std::shared_ptr<FastTransport> transport) {
+  // Asked under mu_, after Connect named the transport to its hook: a loss
+  // that set its health after this look finds it published in OnLost; one
+  // before is seen here, whether or not its hook could name it.
+  if (Status health = transport->health(); !health.ok()) {
+    retired_.push_back(std::move(transport));
+    return health;
+  }
+  fast_ = std::move(transport);
+  health_ = RdmaHealth::kReady;
+  PublishFastLocked();
+  ready_since_ = std::chrono::steady_clock::now();
+  return absl::OkStatus();
 }
 
 ChannelTransportStats TransportRouter::stats() {
@@ -425,7 +448,7 @@ TransportKind TransportRouter::Route(ClientCall call) {
           fast = fast_;
           break;
         } else {
-          // Lost before the transport could name itself to OnLost.
+          // Lost, and its hook (OnLost, waiting for mu_) has not said so.
           MarkLostLocked(health, "connection lost");
         }
         [[fallthrough]];

@@ -67,6 +67,9 @@ class TransportRouter {
   // The background thread: the first connect, then probes while degraded.
   void Loop();
   FastConnectResult Connect();
+  // Makes a connected `transport` the fast path (kReady), unless it was
+  // lost already: then it is retired and its health returned. Requires mu_.
+  Status AdoptLocked(std::shared_ptr<FastTransport> transport);
   // Runs on the transport's thread when `transport`'s connection broke.
   void OnLost(const FastTransport* transport, const Status& why,
               const std::string& trigger);

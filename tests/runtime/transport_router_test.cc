@@ -129,7 +129,15 @@ class ScriptedConnector {
  public:
   // kConnectThenLose: connected, and lost at once on another thread (an
   // RDMA connection's engine may close it as the connect returns).
-  enum class Outcome { kConnect, kConnectThenLose, kFail, kNoFastPath };
+  // kLostAsItReturns: connected, and lost before the connect returns (its
+  // `lost` hook runs before the router could know the transport).
+  enum class Outcome {
+    kConnect,
+    kConnectThenLose,
+    kLostAsItReturns,
+    kFail,
+    kNoFastPath
+  };
   ~ScriptedConnector() { JoinLosers(); }
   explicit ScriptedConnector(std::vector<Outcome> script)
       : script_(std::move(script)) {}
@@ -140,12 +148,14 @@ class ScriptedConnector {
     ++attempts_;
     switch (o) {
       case Outcome::kConnect:
-      case Outcome::kConnectThenLose: {
+      case Outcome::kConnectThenLose:
+      case Outcome::kLostAsItReturns: {
         auto fast = std::make_unique<FakeFast>(std::move(hooks));
         last_ = fast.get();
         if (o == Outcome::kConnectThenLose) {
           losers_.emplace_back([fast = fast.get()] { fast->Lose("at once"); });
         }
+        if (o == Outcome::kLostAsItReturns) fast->Lose("before the return");
         return {std::move(fast), absl::OkStatus()};
       }
       case Outcome::kFail:
@@ -367,6 +377,48 @@ TEST_F(TransportRouterTest, AConnectionLostAsItConnectsEndsItsCallOnce) {
   EXPECT_TRUE(dones_[1].status->ok());
   EXPECT_EQ(fallback_.started().size(), 1u);
   EXPECT_TRUE(WaitFor(*router, RdmaHealth::kDegraded));
+}
+
+// A probe's connection lost before the probe returned (its `lost` hook
+// could name no transport) is not taken for a ready fast path: that one
+// would stay "ready", and unprobed, until a call came. It counts as a
+// failed probe, and the next probe connects.
+TEST_F(TransportRouterTest, AProbeLostBeforeItReturnsCountsAsFailed) {
+  auto router = Router(Options(), {Outcome::kConnect, Outcome::kLostAsItReturns,
+                                   Outcome::kConnect});
+  Route(*router, 1);
+  ASSERT_TRUE(WaitFor(*router, RdmaHealth::kReady));
+  connector_->last()->Lose("work-completion error");
+  ASSERT_TRUE(WaitForAttempts(3));
+  ASSERT_TRUE(WaitFor(*router, RdmaHealth::kReady));
+  ChannelTransportStats stats = router->stats();
+  EXPECT_EQ(stats.probes, 2u);
+  EXPECT_EQ(stats.switches, 2u);  // lost, then back on the third connect
+  EXPECT_EQ(stats.last_probe_error,
+            "connection lost as it connected (fake connection broke)");
+  EXPECT_EQ(Route(*router, 2), TransportKind::kRdma);
+  EXPECT_EQ(connector_->last()->held().size(), 1u);
+  connector_->last()->CompleteAll();
+  EXPECT_EQ(dones_[1].runs.load(), 1);  // re-sent over the fallback
+  EXPECT_EQ(dones_[2].runs.load(), 1);
+}
+
+// The first connect's connection lost before it returned: the channel
+// degrades and says why, and the call that waited for it goes over the
+// fallback as a first send.
+TEST_F(TransportRouterTest, AFirstConnectLostBeforeItReturnsDegrades) {
+  auto router = Router(Options(), {Outcome::kLostAsItReturns, Outcome::kFail});
+  Route(*router, 1);
+  ASSERT_TRUE(WaitForRun(dones_[1]));
+  EXPECT_TRUE(dones_[1].status->ok());
+  ASSERT_EQ(fallback_.started().size(), 1u);
+  EXPECT_FALSE(fallback_.started()[0].second);
+  ChannelTransportStats stats = router->stats();
+  EXPECT_EQ(stats.health, RdmaHealth::kDegraded);
+  EXPECT_EQ(stats.last_trigger, "connection lost");
+  EXPECT_EQ(stats.rdma,
+            "RDMA connection lost as it connected (fake connection broke)");
+  EXPECT_EQ(stats.switches, 0u);
 }
 
 // A path that keeps breaking right after each probe gets through (a lossy
