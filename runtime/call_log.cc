@@ -94,9 +94,10 @@ Status CallLog::CheckUnknownRepeat(const ServerCallState& state,
 Dispatcher::Completion CallLog::AnswerAside(Dispatcher::Completion done) const {
   if (!options_.run_repeat_answer) return done;
   return [run = options_.run_repeat_answer, done = std::move(done)](
-             Status s, std::unique_ptr<Message> r) {
-    auto response = std::make_shared<std::unique_ptr<Message>>(std::move(r));
-    run([done, s = std::move(s), response] { done(s, std::move(*response)); });
+             Status s, std::shared_ptr<Message> response) {
+    run([done, s = std::move(s), response = std::move(response)] {
+      done(s, response);
+    });
   };
 }
 
@@ -236,7 +237,7 @@ void CallLog::Delivered(const ServerCallState& state) {
 }
 
 void CallLog::Undelivered(std::shared_ptr<ServerCallState> state, Status status,
-                          std::unique_ptr<Message> response) {
+                          std::shared_ptr<Message> response) {
   std::vector<Waiter> waiters;
   std::shared_ptr<const Message> kept(std::move(response));
   {

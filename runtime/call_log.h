@@ -95,7 +95,7 @@ class CallLog {
   void Delivered(const ServerCallState& state);
   // The transport could not deliver the response: keep it for a repeat.
   void Undelivered(std::shared_ptr<ServerCallState> state, Status status,
-                   std::unique_ptr<google::protobuf::Message> response);
+                   std::shared_ptr<google::protobuf::Message> response);
 
   // Expires old records and answers repeats that waited past
   // settle_timeout with UNAVAILABLE.

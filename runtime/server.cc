@@ -276,7 +276,7 @@ class ServerDispatcher final : public Dispatcher {
            std::shared_ptr<google::protobuf::Message> request, Completion done,
            bool on_receiver) {
     auto finish = [&](Status s,
-                      std::unique_ptr<google::protobuf::Message> response) {
+                      std::shared_ptr<google::protobuf::Message> response) {
       if (state->connection_calls != nullptr) {
         state->connection_calls->fetch_sub(1, std::memory_order_relaxed);
       }
@@ -301,8 +301,14 @@ class ServerDispatcher final : public Dispatcher {
     started_.fetch_add(1, std::memory_order_relaxed);
     const ServerMethod& method = state->method();
     const MethodDescriptor& m = method.descriptor;
-    std::unique_ptr<google::protobuf::Message> response(
-        m.response_prototype->New());
+    // On the request's arena when it has one (internal::RequestArena):
+    // the response's fields then take no allocation of their own either.
+    std::shared_ptr<google::protobuf::Message> response;
+    if (google::protobuf::Arena* arena = request->GetArena()) {
+      response = {request, m.response_prototype->New(arena)};
+    } else {
+      response.reset(m.response_prototype->New());
+    }
     ServerContext ctx(state.get());
     Status status;
     const internal::SpinClock& clock = internal::SpinClock::Get();
@@ -361,7 +367,7 @@ class ServerDispatcher final : public Dispatcher {
   }
   void Undelivered(
       std::shared_ptr<ServerCallState> state, Status status,
-      std::unique_ptr<google::protobuf::Message> response) override {
+      std::shared_ptr<google::protobuf::Message> response) override {
     if (state->logged) {
       log_.Undelivered(std::move(state), std::move(status),
                        std::move(response));

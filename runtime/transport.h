@@ -250,9 +250,10 @@ class Dispatcher {
   // Runs the handler for `state` on a worker with `request` (parsed, its
   // tensors bound in state->tensors). `done` runs exactly once with the
   // handler's status and response; with CANCELLED and no handler run when
-  // the call was cancelled before a worker picked it up.
+  // the call was cancelled before a worker picked it up. The response may
+  // live on the request's arena (its owner then holds the request's too).
   using Completion = std::function<void(
-      Status, std::unique_ptr<google::protobuf::Message> response)>;
+      Status, std::shared_ptr<google::protobuf::Message> response)>;
   // A call with a client_id whose handler already ran (or is running) is
   // not run again: `done` gets that run's outcome, or UNAVAILABLE.
   virtual void Execute(std::shared_ptr<ServerCallState> state,
@@ -264,7 +265,7 @@ class Dispatcher {
   virtual void Delivered(const ServerCallState& state) = 0;
   virtual void Undelivered(
       std::shared_ptr<ServerCallState> state, Status status,
-      std::unique_ptr<google::protobuf::Message> response) = 0;
+      std::shared_ptr<google::protobuf::Message> response) = 0;
   // Random per server start; the RDMA handshake hands it to clients.
   virtual uint64_t server_instance() const = 0;
 };

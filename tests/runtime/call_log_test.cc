@@ -26,7 +26,7 @@ constexpr uint64_t kClient = 5;
 struct Outcome {
   int runs = 0;
   std::optional<Status> status;
-  std::unique_ptr<google::protobuf::Message> response;
+  std::shared_ptr<google::protobuf::Message> response;
 };
 
 class CallLogTest : public ::testing::Test {
@@ -63,7 +63,7 @@ class CallLogTest : public ::testing::Test {
   static bool Admit(CallLog& log, const std::shared_ptr<ServerCallState>& state,
                     Outcome* out) {
     Dispatcher::Completion done =
-        [out](Status s, std::unique_ptr<google::protobuf::Message> r) {
+        [out](Status s, std::shared_ptr<google::protobuf::Message> r) {
           ++out->runs;
           out->status = std::move(s);
           out->response = std::move(r);

@@ -28,6 +28,7 @@
 #include "absl/strings/str_split.h"
 #include "runtime/codec.h"
 #include "runtime/metadata.h"
+#include "runtime/request_arena.h"
 #include "runtime/tensor_walk.h"
 #include "transport/grpc/health.h"
 #include "transport/grpc/lean_codec.h"
@@ -374,7 +375,8 @@ class ServerCall final : public HealthWatcher {
         state_->client_metadata.emplace(std::move(key), std::move(value));
       }
     }
-    request_.reset(method->descriptor.request_prototype->New());
+    request_ =
+        internal::RequestArena::New(*method->descriptor.request_prototype);
     // A registered method's call came with its first message.
     if (!generic) return OnReadDone(true);
     Read();
@@ -537,13 +539,13 @@ class ServerCall final : public HealthWatcher {
 
   void Dispatch() {
     service_->dispatcher()->Execute(
-        state_, request_, [this](Status s, std::unique_ptr<Message> response) {
+        state_, request_, [this](Status s, std::shared_ptr<Message> response) {
           Respond(std::move(s), std::move(response));
         });
   }
 
   // On the queue's thread (inline handlers) or a worker.
-  void Respond(Status s, std::unique_ptr<Message> response) {
+  void Respond(Status s, std::shared_ptr<Message> response) {
     // Nothing went out yet: the handler's initial metadata still can.
     for (const auto& [k, v] : state_->initial_metadata) {
       ctx_.AddInitialMetadata(k, v);
@@ -687,7 +689,7 @@ class ServerCall final : public HealthWatcher {
   std::set<std::string> files_sent_;  // reflection: files this stream sent
   std::shared_ptr<internal::ServerCallState> state_;
   std::shared_ptr<Message> request_;
-  std::unique_ptr<Message> response_;
+  std::shared_ptr<Message> response_;
   std::optional<LeanReceiver> receiver_;  // set: the call is lean
   std::optional<LeanSender> sender_;
   grpc::ByteBuffer read_buf_;

