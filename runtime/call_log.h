@@ -28,7 +28,9 @@
 // `max_records`; a record that outlives its window unsettled (a long
 // handler) is dropped once it settles, so it never holds back the expiry
 // of later ones. An undelivered response keeps its message and tensor
-// buffers until it is delivered by a repeat or the window passes.
+// buffers until it is delivered by a repeat or the window passes; a
+// response on its request's arena (internal::RequestArena) keeps the
+// request too, and whatever else the handler made on that arena.
 //
 // The owner calls Sweep() now and then (the server: every second) so that
 // waiting repeats time out without new traffic.

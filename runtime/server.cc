@@ -301,8 +301,10 @@ class ServerDispatcher final : public Dispatcher {
     started_.fetch_add(1, std::memory_order_relaxed);
     const ServerMethod& method = state->method();
     const MethodDescriptor& m = method.descriptor;
-    // On the request's arena when it has one (internal::RequestArena):
-    // the response's fields then take no allocation of their own either.
+    // On the request's arena when it has one (internal::RequestArena): a
+    // handler on the thread that made the arena (an inline one) then
+    // builds it with no allocation of its own; on another thread the
+    // arena's first allocation takes a block for that thread.
     std::shared_ptr<google::protobuf::Message> response;
     if (google::protobuf::Arena* arena = request->GetArena()) {
       response = {request, m.response_prototype->New(arena)};

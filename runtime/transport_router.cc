@@ -151,21 +151,25 @@ FastConnectResult TransportRouter::Connect() {
   };
   // The transport is not known yet when the hook is made; it names itself
   // through the connection it lost. Atomic: the connection may be lost on
-  // its engine's thread as this one names it. Lost before that, it names
-  // none here, and AdoptLocked finds it unhealthy.
+  // its engine's thread as this one names it. Read under mu_ (OnLost), so
+  // either the hook runs before AdoptLocked's look, which then finds the
+  // transport unhealthy, or after it, and finds the name stored.
   auto self = std::make_shared<std::atomic<const FastTransport*>>(nullptr);
   hooks.lost = [this, self](const Status& why, const std::string& trigger) {
-    OnLost(self->load(std::memory_order_acquire), why, trigger);
+    OnLost(*self, why, trigger);
   };
   FastConnectResult connected = connect_(std::move(hooks));
   self->store(connected.transport.get(), std::memory_order_release);
   return connected;
 }
 
-void TransportRouter::OnLost(const FastTransport* transport, const Status& why,
-                             const std::string& trigger) {
+void TransportRouter::OnLost(const std::atomic<const FastTransport*>& transport,
+                             const Status& why, const std::string& trigger) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (fast_ == nullptr || fast_.get() != transport) return;
+  if (fast_ == nullptr ||
+      fast_.get() != transport.load(std::memory_order_acquire)) {
+    return;
+  }
   MarkLostLocked(why, trigger);
 }
 
@@ -307,9 +311,9 @@ void TransportRouter::Loop() {
 }
 
 Status TransportRouter::AdoptLocked(std::shared_ptr<FastTransport> transport) {
-  // Asked under mu_, after Connect named the transport to its hook: a loss
-  // that set its health after this look finds it published in OnLost; one
-  // before is seen here, whether or not its hook could name it.
+  // Asked under mu_, after Connect named the transport to its hook, which
+  // reads the name under mu_: a loss whose hook runs after this look finds
+  // it published; one whose hook ran before set the health this reads.
   if (Status health = transport->health(); !health.ok()) {
     retired_.push_back(std::move(transport));
     return health;

@@ -70,9 +70,10 @@ class TransportRouter {
   // Makes a connected `transport` the fast path (kReady), unless it was
   // lost already: then it is retired and its health returned. Requires mu_.
   Status AdoptLocked(std::shared_ptr<FastTransport> transport);
-  // Runs on the transport's thread when `transport`'s connection broke.
-  void OnLost(const FastTransport* transport, const Status& why,
-              const std::string& trigger);
+  // Runs on the transport's thread when its connection broke; `transport`
+  // names it once Connect returned (read under mu_).
+  void OnLost(const std::atomic<const FastTransport*>& transport,
+              const Status& why, const std::string& trigger);
   // rdma-ready -> degraded. Requires mu_.
   void MarkLostLocked(const Status& why, const std::string& trigger);
   // A call that waits for the fast path under policy 'rdma'
