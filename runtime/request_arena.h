@@ -7,7 +7,7 @@
 // heap. Handlers see a message like any other.
 //
 //   std::shared_ptr<Message> request =
-//       internal::NewRequestOnArena(*method.descriptor.request_prototype);
+//       internal::RequestArena::New(*method.descriptor.request_prototype);
 //   request->ParseFromArray(bytes, size);
 #ifndef RDMARPC_RUNTIME_REQUEST_ARENA_H_
 #define RDMARPC_RUNTIME_REQUEST_ARENA_H_
