@@ -338,22 +338,30 @@ TEST_P(E2ETest, InlineHandlerWaitingForItsCancelSeesIt) {
   ASSERT_TRUE(stub->Echo(&warm, req, &resp).ok());
   EXPECT_EQ(warm.stats().transport, GetParam().expected);
 
+  const uint64_t stalls_before = server->handler_stats().inline_stalls;
+
   ClientContext ctx;
   req.set_sleep_ms(120000);
   std::thread canceller([&] {
     for (int i = 0; i < 6000 && service.slow_started.load() == 0; ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
+    // The handler then holds its thread past the 1 ms stall line.
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
     ctx.TryCancel();
   });
   rdmarpc::Status status = stub->Slow(&ctx, req, &resp);
   canceller.join();
   EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
-  for (int i = 0; i < 6000 && service.slow_saw_cancel.load() == 0; ++i) {
+  // A cancelled call ends on the client at once; the server counts the
+  // stall only when the handler returns, after it saw the cancel.
+  for (int i = 0;
+       i < 6000 && server->handler_stats().inline_stalls == stalls_before;
+       ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_EQ(service.slow_saw_cancel.load(), 1);
-  EXPECT_GE(server->handler_stats().inline_stalls, 1u);
+  EXPECT_GT(server->handler_stats().inline_stalls, stalls_before);
   // The server goes on serving calls inline.
   ClientContext after;
   req.set_sleep_ms(0);
