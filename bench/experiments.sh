@@ -57,12 +57,13 @@ else
   interfere=1073741824
 fi
 
-# Small calls: 3 rounds in which the systems take turns; the summary takes
+# Small calls: 5 rounds in which the systems take turns; the summary takes
 # the median of each row, so a slow moment of the machine hits one round of
-# one system, not the ratio.
+# one system, not the ratio. (With 3, stock gRPC's own p50 at one size
+# spanned 136-261 us across rounds: too wide for a 10% target.)
 small_calls() {
   local round style sys
-  for round in 1 2 3; do
+  for round in 1 2 3 4 5; do
     # Over RDMA the reference takes its turn too: one sample of ib_send_lat
     # per boot read 27.3 us at 64 B in one run and 12.6 us in the next,
     # which alone moved the target's ratio from 2.4x to 7.9x (2026-11-26).

@@ -342,15 +342,18 @@ def main():
         md.append("")
         ref = sc.get("ib_send_lat", {}).get("per_call")
         fast = sc.get("rdma-inline-blocking", {})
+        # 0 within 0.1: perftest's own count swings with its start-up
+        # (experiments.sh, ib_send_lat's system calls).
         if ref is not None and "per_call" in fast:
             extra = fast["per_call"] - ref
             targets.append(("system calls per call beyond ib_send_lat's, "
                             "RDMA, blocking stub, inline handlers: 0",
                             extra, extra <= 0.1))
+        # Our own count (no perftest start-up in it): 0 means 0.00.
         if "futex_per_call" in fast:
             targets.append(("futex calls per call, RDMA, blocking stub, "
                             "inline handlers: 0", fast["futex_per_call"],
-                            fast["futex_per_call"] <= 0.1))
+                            fast["futex_per_call"] < 0.005))
 
     # Messages per second: calls in flight on one connection against
     # ib_send_bw's 64 B message rate (a call is two messages).
