@@ -435,9 +435,9 @@ std::vector<double> Sequential(Target* t, size_t bytes, int min_calls,
                                double min_seconds, double* seconds,
                                bool blocking, bool timed) {
   // Two large calls: a landing block goes back to the server's landing
-  // arena only once it is cleared (aside), after the next call has
-  // landed, so a stream of large calls settles on two blocks, and the
-  // first call that needs the second maps and registers it.
+  // arena only once it is cleared (aside), and by then the next call has
+  // landed in another, so a stream of large calls settles on two blocks;
+  // the first call that needs the second maps and registers it.
   const int warm_up = bytes >= (1 << 20) ? 2 : 10;
   for (int i = 0; i < warm_up; ++i) {
     if (!t->CallBlocking(bytes)) Fail("warm-up call");
