@@ -13,6 +13,7 @@
 #include "runtime/metadata.h"
 #include "runtime/random.h"
 #include "runtime/spin.h"
+#include "runtime/thread_pool.h"
 #include "runtime/transport.h"
 #include "runtime/transport_router.h"
 #include "transport/grpc/grpc_client.h"
@@ -224,6 +225,9 @@ Status Channel::Call(std::string_view method, ClientContext* ctx,
   // A handler run inline by the RDMA engine: the engine goes on on
   // another thread while this one waits.
   internal::BeforeBlockingCall();
+  // A worker of a pool (a handler on the server's workers): the pool keeps
+  // others for its queue while this one waits, since the call may need one.
+  internal::ThreadPool::BlockedScope blocked;
   // On the stack, and the callback holds only its address (no heap
   // allocation): Wait returns after the last time Complete touches it.
   CallWaiter waiter;

@@ -159,7 +159,10 @@ std::vector<std::string> ThreadNames() {
 // it. A handler that blocks on something only that thread could deliver
 // (here: calls into its own server, two calls three deep at once, each
 // level waiting for the next) is not fatal: the port's watchdog sees every
-// thread held by one event and starts another.
+// thread held by one event and starts another. The first blocking call
+// moved the method to the worker pool (4 threads here), so the second pair
+// runs there, six handlers waiting at once: the pool starts threads while
+// its threads wait in calls.
 TEST(GrpcPortThreads, InlineHandlersThatCallTheirOwnServerFinish) {
   class Loopback final : public E2E::Service {
    public:
@@ -198,10 +201,16 @@ TEST(GrpcPortThreads, InlineHandlersThatCallTheirOwnServerFinish) {
     rdmarpc::Status s = stub->Echo(&ctx, req, &resp);
     return s.ok() ? resp.note() : s.ToString();
   };
-  auto first = std::async(std::launch::async, call, "abc");
-  auto second = std::async(std::launch::async, call, "xyz");
-  EXPECT_EQ(first.get(), "abc|end");
-  EXPECT_EQ(second.get(), "xyz|end");
+  for (bool on_workers : {false, true}) {
+    SCOPED_TRACE(on_workers ? "on the workers" : "inline");
+    if (on_workers) {
+      ASSERT_EQ((*server)->handler_stats().moved_to_workers, 1u);
+    }
+    auto first = std::async(std::launch::async, call, "abc");
+    auto second = std::async(std::launch::async, call, "xyz");
+    EXPECT_EQ(first.get(), "abc|end");
+    EXPECT_EQ(second.get(), "xyz|end");
+  }
 }
 
 // SetGrpcThreads: that many threads poll the port; over 64 is refused.

@@ -339,6 +339,9 @@ TEST_P(E2ETest, InlineHandlerWaitingForItsCancelSeesIt) {
   EXPECT_EQ(warm.stats().transport, GetParam().expected);
 
   const uint64_t stalls_before = server->handler_stats().inline_stalls;
+  // Over gRPC: the port's watchdog stops looking after two looks (100 ms
+  // apart) that saw no event; the event that blocks must wake it.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
 
   ClientContext ctx;
   req.set_sleep_ms(120000);

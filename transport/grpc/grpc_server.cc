@@ -166,7 +166,10 @@ class GrpcServerTransport::Service {
   // kBusyLook after it saw a thread in an event; when every thread has
   // been in the same event since the last look, it starts one more and
   // the one it replaces leaves after its event. At most
-  // kMaxReplacementThreads are replaced at a time.
+  // kMaxReplacementThreads are replaced at a time. After a look that saw
+  // no event since the one before, it sleeps until the next event begins
+  // (the thread that begins it wakes it), so an idle port costs no
+  // wake-ups.
   static constexpr std::chrono::milliseconds kIdleLook{100};
   static constexpr std::chrono::milliseconds kBusyLook{10};
   static constexpr int kMaxReplacementThreads = 16;
@@ -174,11 +177,17 @@ class GrpcServerTransport::Service {
   bool StartPollerLocked();
   void Poll(Poller* self);
   void Watch();
+  // With pollers_mu_ held: every thread's events as its last look saw them.
+  bool NoEventSinceLookLocked() const;
+  void WakeWatchdog();
 
   std::mutex pollers_mu_;
   std::condition_variable watch_cv_;
   std::list<Poller> pollers_;    // guarded by pollers_mu_
   bool watch_stopping_ = false;  // guarded by pollers_mu_
+  // The watchdog waits for the next event, without a timeout. Set under
+  // pollers_mu_; a thread beginning an event clears it and wakes it.
+  std::atomic<bool> watchdog_asleep_{false};
   int wanted_threads_ = 0;
   std::thread watchdog_;
   bool stopped_ = false;
@@ -740,7 +749,11 @@ void GrpcServerTransport::Service::Poll(Poller* self) {
   // Only this thread writes `events`.
   uint64_t events = 0;
   while (queue_->Next(&tag, &ok)) {
-    self->events.store(++events, std::memory_order_relaxed);
+    // Sequentially consistent with the watchdog's store of
+    // watchdog_asleep_ and its look after it: either this thread sees the
+    // watchdog asleep, or the watchdog sees this event and stays awake.
+    self->events.store(++events, std::memory_order_seq_cst);
+    if (watchdog_asleep_.load(std::memory_order_seq_cst)) WakeWatchdog();
     ServerCall::Tag* t = ServerCall::Received(tag);
     t->call->OnEvent(t->op, ok);
     self->events.store(++events, std::memory_order_relaxed);
@@ -750,11 +763,42 @@ void GrpcServerTransport::Service::Poll(Poller* self) {
   self->done = true;
 }
 
+void GrpcServerTransport::Service::WakeWatchdog() {
+  if (!watchdog_asleep_.exchange(false)) return;  // another thread did
+  // The watchdog may be between its last check and its wait: it holds the
+  // mutex there, so the notify comes once it waits.
+  { std::lock_guard<std::mutex> lock(pollers_mu_); }
+  watch_cv_.notify_one();
+}
+
+bool GrpcServerTransport::Service::NoEventSinceLookLocked() const {
+  for (const Poller& p : pollers_) {
+    if (p.replaced.load(std::memory_order_relaxed)) continue;
+    if (p.events.load(std::memory_order_seq_cst) != p.seen) return false;
+  }
+  return true;
+}
+
 void GrpcServerTransport::Service::Watch() {
   std::unique_lock<std::mutex> lock(pollers_mu_);
   bool busy = false;
-  while (!watch_cv_.wait_for(lock, busy ? kBusyLook : kIdleLook,
-                             [this] { return watch_stopping_; })) {
+  bool quiet = false;  // the last look saw no event since the one before
+  while (true) {
+    if (quiet) {
+      watchdog_asleep_.store(true, std::memory_order_seq_cst);
+      // An event that began after the look did not see the flag: look
+      // again rather than sleep through it.
+      if (NoEventSinceLookLocked()) {
+        watch_cv_.wait(lock, [this] {
+          return watch_stopping_ || !watchdog_asleep_.load();
+        });
+      }
+      watchdog_asleep_.store(false);
+      if (watch_stopping_) break;
+    } else if (watch_cv_.wait_for(lock, busy ? kBusyLook : kIdleLook,
+                                  [this] { return watch_stopping_; })) {
+      break;
+    }
     // Threads that left are joined here, off the calls' path.
     for (auto it = pollers_.begin(); it != pollers_.end();) {
       if (!it->done) {
@@ -765,6 +809,7 @@ void GrpcServerTransport::Service::Watch() {
       it = pollers_.erase(it);
     }
     busy = false;
+    quiet = true;
     bool free = false;
     Poller* stuck = nullptr;
     for (Poller& p : pollers_) {
@@ -772,6 +817,7 @@ void GrpcServerTransport::Service::Watch() {
       const uint64_t events = p.events.load(std::memory_order_relaxed);
       const bool in_event = events % 2 == 1;
       busy = busy || in_event;
+      quiet = quiet && !in_event && events == p.seen;
       if (in_event && events == p.seen) {
         stuck = &p;
       } else {

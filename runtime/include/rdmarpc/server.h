@@ -290,6 +290,11 @@ class ServerBuilder {
   ServerBuilder& RegisterService(Service* service);
 
   // Worker threads that run handlers (default: max(4, hardware threads)).
+  // A handler there may make blocking calls (Channel::Call, the generated
+  // blocking stubs), into this server too: while workers wait in them, the
+  // pool starts threads for the handlers queued meanwhile, and those
+  // leave once the waits are over. Waiting on a CallFuture's future holds
+  // its worker.
   ServerBuilder& SetNumWorkers(int n);
 
   // Threads that poll the gRPC port and run each step of its calls (and
