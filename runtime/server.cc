@@ -180,7 +180,7 @@ class ServerDispatcher final : public Dispatcher {
              RandomNonZero()),
         // Inline, the pool answers repeats from the log and runs the
         // methods marked blocking or moved there.
-        pool_(workers, "rdmarpc-worker") {
+        pool_(workers, "rdmarpc-worker", ThreadPool::Growth::kWhileBlocked) {
     sweeper_ = std::thread([this] { SweepLog(); });
     pthread_setname_np(sweeper_.native_handle(), "rdmarpc-log");
   }

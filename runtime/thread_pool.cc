@@ -2,17 +2,19 @@
 
 #include <pthread.h>
 
+#include <atomic>
 #include <cerrno>
 #include <system_error>
 #include <utility>
 
 namespace rdmarpc::internal {
 namespace {
+// The kWhileBlocked pool the calling thread belongs to.
 thread_local ThreadPool* current_pool = nullptr;
 }  // namespace
 
-ThreadPool::ThreadPool(int threads, const char* name)
-    : wanted_(threads), name_(name) {
+ThreadPool::ThreadPool(int threads, const char* name, Growth growth)
+    : wanted_(threads), name_(name), growth_(growth) {
   std::lock_guard<std::mutex> lock(mu_);
   for (int i = 0; i < threads; ++i) {
     if (!StartLocked() && alive_ == 0) {
@@ -45,6 +47,7 @@ void ThreadPool::Post(std::function<void()> task) {
     GrowIfStarvedLocked();
   }
   cv_.notify_one();
+  if (has_left_.load(std::memory_order_relaxed)) JoinLeft();
 }
 
 int ThreadPool::threads_for_test() {
@@ -54,9 +57,12 @@ int ThreadPool::threads_for_test() {
 
 ThreadPool::BlockedScope::BlockedScope() : pool_(current_pool) {
   if (pool_ == nullptr) return;
-  std::lock_guard<std::mutex> lock(pool_->mu_);
-  ++pool_->blocked_;
-  pool_->GrowIfStarvedLocked();
+  {
+    std::lock_guard<std::mutex> lock(pool_->mu_);
+    ++pool_->blocked_;
+    pool_->GrowIfStarvedLocked();
+  }
+  if (pool_->has_left_.load(std::memory_order_relaxed)) pool_->JoinLeft();
 }
 
 ThreadPool::BlockedScope::~BlockedScope() {
@@ -66,22 +72,24 @@ ThreadPool::BlockedScope::~BlockedScope() {
 }
 
 void ThreadPool::GrowIfStarvedLocked() {
-  if (tasks_.empty() || idle_ > 0) return;
+  if (growth_ != Growth::kWhileBlocked) return;
+  // A thread notified but not yet awake still counts as idle: compare the
+  // queue with the idle threads, not with none.
+  if (tasks_.size() <= static_cast<size_t>(idle_)) return;
   if (alive_ - blocked_ >= wanted_ || alive_ >= wanted_ + kMaxExtraThreads) {
     return;
   }
-  StartLocked();
+  // If no thread can be made now, the tasks wait for a thread to finish
+  // (or for the next Post or BlockedScope to try again).
+  (void)StartLocked();
 }
 
 bool ThreadPool::StartLocked() {
-  for (std::thread& t : left_) t.join();  // each has returned or is about to
-  left_.clear();
   Threads::iterator self = threads_.emplace(threads_.end());
   try {
     // Loop takes mu_ first, so it sees *self assigned.
     *self = std::thread([this, self] { Loop(self); });
   } catch (const std::system_error&) {
-    // No thread now: the tasks wait for one that finishes.
     threads_.erase(self);
     return false;
   }
@@ -90,28 +98,53 @@ bool ThreadPool::StartLocked() {
   return true;
 }
 
+void ThreadPool::JoinLeft() {
+  std::vector<std::thread> left;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    left.swap(left_);
+    has_left_.store(false, std::memory_order_relaxed);
+  }
+  for (std::thread& t : left) {
+    if (t.get_id() == std::this_thread::get_id()) {
+      t.detach();  // on its way out already (a thread-local's destructor)
+    } else {
+      t.join();
+    }
+  }
+}
+
 void ThreadPool::Loop(Threads::iterator self) {
-  current_pool = this;
+  if (growth_ == Growth::kWhileBlocked) current_pool = this;
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     ++idle_;
-    cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+    const auto ready = [this] { return stopping_ || !tasks_.empty(); };
+    if (alive_ - blocked_ > wanted_) {
+      // One more than needed outside calls: leave unless a task comes.
+      if (!cv_.wait_for(lock, kLeaveAfter, ready) &&
+          alive_ - blocked_ > wanted_) {
+        --idle_;
+        --alive_;
+        left_.push_back(std::move(*self));
+        has_left_.store(true, std::memory_order_relaxed);
+        threads_.erase(self);
+        return;
+      }
+    } else {
+      cv_.wait(lock, ready);
+    }
     --idle_;
-    if (tasks_.empty()) break;  // stopping, and the queue is drained
+    if (tasks_.empty()) {
+      if (stopping_) break;  // and the queue is drained
+      continue;              // woken to leave, but the count went back
+    }
     std::function<void()> task = std::move(tasks_.front());
     tasks_.pop_front();
     lock.unlock();
     task();
     task = nullptr;  // what it holds goes before the lock is taken
     lock.lock();
-    // More threads than wanted outside calls: the waits that made the pool
-    // grow are over, and this one goes.
-    if (!stopping_ && alive_ - blocked_ > wanted_) {
-      --alive_;
-      left_.push_back(std::move(*self));
-      threads_.erase(self);
-      return;
-    }
   }
   if (--alive_ == 0) gone_.notify_all();
 }

@@ -160,7 +160,7 @@ std::vector<std::string> ThreadNames() {
 // (here: calls into its own server, two calls three deep at once, each
 // level waiting for the next) is not fatal: the port's watchdog sees every
 // thread held by one event and starts another. The first blocking call
-// moved the method to the worker pool (4 threads here), so the second pair
+// moved the method to the worker pool (4 threads), so the second pair
 // runs there, six handlers waiting at once: the pool starts threads while
 // its threads wait in calls.
 TEST(GrpcPortThreads, InlineHandlersThatCallTheirOwnServerFinish) {
@@ -186,6 +186,7 @@ TEST(GrpcPortThreads, InlineHandlersThatCallTheirOwnServerFinish) {
   auto server = rdmarpc::ServerBuilder()
                     .AddListeningPort("127.0.0.1:0", &port)
                     .RegisterService(&service)
+                    .SetNumWorkers(4)
                     .BuildAndStart();
   ASSERT_TRUE(server.ok()) << server.status();
   auto stub = E2E::NewStub(rdmarpc::CreateChannel(

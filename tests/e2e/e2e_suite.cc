@@ -520,6 +520,57 @@ TEST_P(E2ETest, InlineHandlerMayMakeABlockingCall) {
   }
 }
 
+// Handlers on the workers that call their own server: two chains three
+// deep, six handlers waiting at once on two workers. The pool starts
+// threads while its threads wait in those calls; with a fixed pool the
+// deepest calls would wait for a worker until their deadlines.
+TEST_P(E2ETest, WorkerHandlersMayCallTheirOwnServerBeyondThePoolSize) {
+  class Loopback final : public E2E::Service {
+   public:
+    E2E::Stub* self = nullptr;
+    rdmarpc::Status Echo(rdmarpc::ServerContext*, const EchoRequest& req,
+                         EchoResponse* resp) override {
+      if (req.note().empty()) {
+        resp->set_note("|end");
+        return absl::OkStatus();
+      }
+      EchoRequest next;
+      next.set_note(req.note().substr(1));
+      ClientContext ctx;
+      rdmarpc::Status s = self->Echo(&ctx, next, resp);
+      resp->set_note(req.note().substr(0, 1) + resp->note());
+      return s;
+    }
+  };
+  Loopback service;
+  int port = 0;
+  auto server = rdmarpc::ServerBuilder()
+                    .AddListeningPort("127.0.0.1:0", &port)
+                    .RegisterService(&service)
+                    .SetRunHandlersInline(false)
+                    .SetNumWorkers(2)
+                    .BuildAndStart();
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = E2E::NewStub(
+      rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                             PatientChannelOptions(GetParam().policy)));
+  service.self = stub.get();
+  auto call = [&](const std::string& note) {
+    ClientContext ctx;
+    ctx.set_timeout(std::chrono::seconds(60));  // fails, not hangs, if stuck
+    EchoRequest req;
+    req.set_note(note);
+    EchoResponse resp;
+    rdmarpc::Status s = stub->Echo(&ctx, req, &resp);
+    return s.ok() ? resp.note() : s.ToString();
+  };
+  auto first = std::async(std::launch::async, call, "abc");
+  auto second = std::async(std::launch::async, call, "xyz");
+  EXPECT_EQ(first.get(), "abc|end");
+  EXPECT_EQ(second.get(), "xyz|end");
+  (*server)->Shutdown();
+}
+
 TEST_P(E2ETest, MarkingAnUnknownMethodBlockingIsRefused) {
   int port = 0;
   auto server = rdmarpc::ServerBuilder()

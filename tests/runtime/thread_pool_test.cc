@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -12,34 +13,41 @@
 namespace rdmarpc::internal {
 namespace {
 
+constexpr auto kGrows = ThreadPool::Growth::kWhileBlocked;
+
 // Posts tasks 0..depth-1 one from the other: each waits, in a BlockedScope,
 // for the one it posted to finish, as a handler waits for a call into its
 // own server. With a fixed pool the deepest would never get a thread.
-class Chain {
+// Tasks hold the chain, and a chain given up (WaitAll timed out) lets its
+// waits and queued tasks return, so a failing test fails rather than hangs.
+class Chain : public std::enable_shared_from_this<Chain> {
  public:
   Chain(ThreadPool* pool, int depth) : pool_(pool), done_(depth, false) {}
 
   void Start() {
-    pool_->Post([this] { Run(0); });
+    pool_->Post([self = shared_from_this()] { self->Run(0); });
   }
-  // True once every task finished, false after 60 s (a stuck chain).
+  // True once every task finished; false, giving up, after 30 s.
   bool WaitAll() {
     std::unique_lock<std::mutex> lock(mu_);
-    return cv_.wait_for(lock, std::chrono::seconds(60), [this] {
+    const bool all = cv_.wait_for(lock, std::chrono::seconds(30), [this] {
       for (bool d : done_) {
         if (!d) return false;
       }
       return true;
     });
+    if (!all) abandoned_ = true;
+    cv_.notify_all();
+    return all;
   }
 
  private:
   void Run(int level) {
     if (level + 1 < static_cast<int>(done_.size())) {
-      pool_->Post([this, level] { Run(level + 1); });
+      pool_->Post([self = shared_from_this(), level] { self->Run(level + 1); });
       ThreadPool::BlockedScope blocked;
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return done_[level + 1]; });
+      cv_.wait(lock, [&] { return done_[level + 1] || abandoned_; });
     }
     std::lock_guard<std::mutex> lock(mu_);
     done_[level] = true;
@@ -50,13 +58,13 @@ class Chain {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<bool> done_;
+  bool abandoned_ = false;
 };
 
-// The pool is back to its size once the waits are over: each thread that
-// waited leaves when its task returns. (Polled: the leaving thread checks
-// after its task returned.)
+// The pool is back to its size once the waits are over: threads beyond it
+// leave after ThreadPool::kLeaveAfter without a task. (Polled, up to 30 s.)
 bool ShrinksTo(ThreadPool* pool, int threads) {
-  for (int i = 0; i < 6000; ++i) {
+  for (int i = 0; i < 3000; ++i) {
     if (pool->threads_for_test() == threads) return true;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -64,73 +72,91 @@ bool ShrinksTo(ThreadPool* pool, int threads) {
 }
 
 TEST(ThreadPoolTest, TasksWaitingForTasksTheyPostedAllFinish) {
-  ThreadPool pool(2, "pool-test");
+  ThreadPool pool(2, "pool-test", kGrows);
   EXPECT_EQ(pool.threads_for_test(), 2);
-  Chain first(&pool, 8);
-  Chain second(&pool, 8);
-  first.Start();
-  second.Start();
-  EXPECT_TRUE(first.WaitAll());
-  EXPECT_TRUE(second.WaitAll());
+  auto first = std::make_shared<Chain>(&pool, 8);
+  auto second = std::make_shared<Chain>(&pool, 8);
+  first->Start();
+  second->Start();
+  EXPECT_TRUE(first->WaitAll());
+  EXPECT_TRUE(second->WaitAll());
   EXPECT_TRUE(ShrinksTo(&pool, 2)) << pool.threads_for_test();
 }
 
 TEST(ThreadPoolTest, ItGrowsAgainAfterShrinking) {
-  ThreadPool pool(1, "pool-test");
-  for (int round = 0; round < 3; ++round) {
+  ThreadPool pool(1, "pool-test", kGrows);
+  for (int round = 0; round < 2; ++round) {
     SCOPED_TRACE(round);
-    Chain chain(&pool, 5);
-    chain.Start();
-    ASSERT_TRUE(chain.WaitAll());
+    auto chain = std::make_shared<Chain>(&pool, 5);
+    chain->Start();
+    ASSERT_TRUE(chain->WaitAll());
     EXPECT_TRUE(ShrinksTo(&pool, 1)) << pool.threads_for_test();
   }
 }
 
-TEST(ThreadPoolTest, OffAPoolTheScopeChangesNothing) {
-  ThreadPool pool(1, "pool-test");
-  { ThreadPool::BlockedScope blocked; }  // this thread is not the pool's
-  EXPECT_EQ(pool.threads_for_test(), 1);
+// Runs `task` on `pool` and waits for it.
+void RunOn(ThreadPool* pool, std::function<void()> task) {
   std::mutex mu;
   std::condition_variable cv;
   bool ran = false;
-  pool.Post([&] {
+  pool->Post([&] {
+    task();
     std::lock_guard<std::mutex> lock(mu);
     ran = true;
     cv.notify_all();
   });
   std::unique_lock<std::mutex> lock(mu);
-  EXPECT_TRUE(cv.wait_for(lock, std::chrono::seconds(60), [&] { return ran; }));
+  ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(30), [&] { return ran; }));
+}
+
+TEST(ThreadPoolTest, OffAPoolTheScopeChangesNothing) {
+  ThreadPool pool(1, "pool-test", kGrows);
+  { ThreadPool::BlockedScope blocked; }  // this thread is not the pool's
+  EXPECT_EQ(pool.threads_for_test(), 1);
+  RunOn(&pool, [] {});
   EXPECT_EQ(pool.threads_for_test(), 1);
 }
 
-// A thread that waits while nothing is queued starts none: the pool grows
-// only for tasks that would otherwise wait.
+// The pool grows only for tasks that would otherwise wait.
 TEST(ThreadPoolTest, AWaitWithNothingQueuedStartsNoThread) {
-  ThreadPool pool(1, "pool-test");
-  std::mutex mu;
-  std::condition_variable cv;
-  bool ran = false;
-  pool.Post([&] {
-    { ThreadPool::BlockedScope blocked; }
-    std::lock_guard<std::mutex> lock(mu);
-    ran = true;
-    cv.notify_all();
+  ThreadPool pool(1, "pool-test", kGrows);
+  int threads_in_scope = 0;
+  RunOn(&pool, [&] {
+    ThreadPool::BlockedScope blocked;
+    threads_in_scope = pool.threads_for_test();
   });
-  {
-    std::unique_lock<std::mutex> lock(mu);
-    ASSERT_TRUE(
-        cv.wait_for(lock, std::chrono::seconds(60), [&] { return ran; }));
-  }
-  EXPECT_EQ(pool.threads_for_test(), 1);
+  EXPECT_EQ(threads_in_scope, 1);
+}
+
+// A fixed pool keeps its threads: a task queued behind a waiting one runs
+// after it.
+TEST(ThreadPoolTest, AFixedPoolDoesNotGrow) {
+  ThreadPool pool(1, "pool-test");
+  bool second_ran_first = true;
+  bool second_ran = false;
+  int threads_in_scope = 0;
+  RunOn(&pool, [&] {
+    pool.Post([&] { second_ran = true; });
+    ThreadPool::BlockedScope blocked;
+    threads_in_scope = pool.threads_for_test();
+    second_ran_first = second_ran;  // only this thread could run it
+  });
+  EXPECT_EQ(threads_in_scope, 1);
+  EXPECT_FALSE(second_ran_first);
 }
 
 // The destructor runs what is queued, including tasks that wait for tasks.
 TEST(ThreadPoolTest, DestroyingThePoolFinishesTheChains) {
-  auto pool = std::make_unique<ThreadPool>(1, "pool-test");
-  Chain chain(pool.get(), 4);
-  chain.Start();
+  auto pool = std::make_unique<ThreadPool>(1, "pool-test", kGrows);
+  auto chain = std::make_shared<Chain>(pool.get(), 4);
+  chain->Start();
+  // Waits from another thread: a chain that cannot finish is given up
+  // there, and the destructor, waiting for it, returns.
+  bool finished = false;
+  std::thread waiter([&] { finished = chain->WaitAll(); });
   pool.reset();
-  EXPECT_TRUE(chain.WaitAll());
+  waiter.join();
+  EXPECT_TRUE(finished);
 }
 
 }  // namespace

@@ -292,9 +292,9 @@ class ServerBuilder {
   // Worker threads that run handlers (default: max(4, hardware threads)).
   // A handler there may make blocking calls (Channel::Call, the generated
   // blocking stubs), into this server too: while workers wait in them, the
-  // pool starts threads for the handlers queued meanwhile, and those
-  // leave once the waits are over. Waiting on a CallFuture's future holds
-  // its worker.
+  // pool starts threads for the handlers queued meanwhile, so that n
+  // threads stay outside calls; a thread beyond n leaves after a second
+  // without a handler. Waiting on a CallFuture's future holds its worker.
   ServerBuilder& SetNumWorkers(int n);
 
   // Threads that poll the gRPC port and run each step of its calls (and
