@@ -63,6 +63,39 @@ inline std::string SendRequestedMetadata(rdmarpc::ServerContext* ctx) {
   return refusals;
 }
 
+// Echo calls its own server through `self` with the note's first letter
+// taken off, and each level puts its letter back: "abc" comes back as
+// "abc|end" after three nested calls, each handler waiting for the next.
+class SelfCallingService final : public E2E::Service {
+ public:
+  E2E::Stub* self = nullptr;
+  rdmarpc::Status Echo(rdmarpc::ServerContext*, const EchoRequest& req,
+                       EchoResponse* resp) override {
+    if (req.note().empty()) {
+      resp->set_note("|end");
+      return absl::OkStatus();
+    }
+    EchoRequest next;
+    next.set_note(req.note().substr(1));
+    rdmarpc::ClientContext ctx;
+    rdmarpc::Status s = self->Echo(&ctx, next, resp);
+    resp->set_note(req.note().substr(0, 1) + resp->note());
+    return s;
+  }
+};
+
+// The note of an Echo with `note` on `stub`, or its error; a call stuck
+// fails after 60 s rather than hanging the test.
+inline std::string EchoNoteOrError(E2E::Stub* stub, const std::string& note) {
+  rdmarpc::ClientContext ctx;
+  ctx.set_timeout(std::chrono::seconds(60));
+  EchoRequest req;
+  req.set_note(note);
+  EchoResponse resp;
+  rdmarpc::Status s = stub->Echo(&ctx, req, &resp);
+  return s.ok() ? resp.note() : s.ToString();
+}
+
 class E2EService final : public E2E::Service {
  public:
   rdmarpc::Status Echo(rdmarpc::ServerContext* ctx, const EchoRequest& req,

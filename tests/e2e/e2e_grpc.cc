@@ -164,24 +164,7 @@ std::vector<std::string> ThreadNames() {
 // runs there, six handlers waiting at once: the pool starts threads while
 // its threads wait in calls.
 TEST(GrpcPortThreads, InlineHandlersThatCallTheirOwnServerFinish) {
-  class Loopback final : public E2E::Service {
-   public:
-    E2E::Stub* self = nullptr;
-    rdmarpc::Status Echo(rdmarpc::ServerContext*, const EchoRequest& req,
-                         EchoResponse* resp) override {
-      if (req.note().empty()) {
-        resp->set_note("|end");
-        return absl::OkStatus();
-      }
-      EchoRequest next;
-      next.set_note(req.note().substr(1));
-      rdmarpc::ClientContext ctx;
-      rdmarpc::Status s = self->Echo(&ctx, next, resp);
-      resp->set_note(req.note().substr(0, 1) + resp->note());
-      return s;
-    }
-  };
-  Loopback service;
+  SelfCallingService service;
   int port = 0;
   auto server = rdmarpc::ServerBuilder()
                     .AddListeningPort("127.0.0.1:0", &port)
@@ -194,13 +177,7 @@ TEST(GrpcPortThreads, InlineHandlersThatCallTheirOwnServerFinish) {
       PatientChannelOptions(rdmarpc::TransportPolicy::kGrpc)));
   service.self = stub.get();
   auto call = [&](const std::string& note) {
-    rdmarpc::ClientContext ctx;
-    ctx.set_timeout(std::chrono::seconds(60));  // fails, not hangs, if stuck
-    EchoRequest req;
-    req.set_note(note);
-    EchoResponse resp;
-    rdmarpc::Status s = stub->Echo(&ctx, req, &resp);
-    return s.ok() ? resp.note() : s.ToString();
+    return EchoNoteOrError(stub.get(), note);
   };
   for (bool on_workers : {false, true}) {
     SCOPED_TRACE(on_workers ? "on the workers" : "inline");

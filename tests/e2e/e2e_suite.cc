@@ -525,24 +525,7 @@ TEST_P(E2ETest, InlineHandlerMayMakeABlockingCall) {
 // threads while its threads wait in those calls; with a fixed pool the
 // deepest calls would wait for a worker until their deadlines.
 TEST_P(E2ETest, WorkerHandlersMayCallTheirOwnServerBeyondThePoolSize) {
-  class Loopback final : public E2E::Service {
-   public:
-    E2E::Stub* self = nullptr;
-    rdmarpc::Status Echo(rdmarpc::ServerContext*, const EchoRequest& req,
-                         EchoResponse* resp) override {
-      if (req.note().empty()) {
-        resp->set_note("|end");
-        return absl::OkStatus();
-      }
-      EchoRequest next;
-      next.set_note(req.note().substr(1));
-      ClientContext ctx;
-      rdmarpc::Status s = self->Echo(&ctx, next, resp);
-      resp->set_note(req.note().substr(0, 1) + resp->note());
-      return s;
-    }
-  };
-  Loopback service;
+  SelfCallingService service;
   int port = 0;
   auto server = rdmarpc::ServerBuilder()
                     .AddListeningPort("127.0.0.1:0", &port)
@@ -556,13 +539,7 @@ TEST_P(E2ETest, WorkerHandlersMayCallTheirOwnServerBeyondThePoolSize) {
                              PatientChannelOptions(GetParam().policy)));
   service.self = stub.get();
   auto call = [&](const std::string& note) {
-    ClientContext ctx;
-    ctx.set_timeout(std::chrono::seconds(60));  // fails, not hangs, if stuck
-    EchoRequest req;
-    req.set_note(note);
-    EchoResponse resp;
-    rdmarpc::Status s = stub->Echo(&ctx, req, &resp);
-    return s.ok() ? resp.note() : s.ToString();
+    return EchoNoteOrError(stub.get(), note);
   };
   auto first = std::async(std::launch::async, call, "abc");
   auto second = std::async(std::launch::async, call, "xyz");
