@@ -2,7 +2,6 @@
 
 #include <pthread.h>
 
-#include <atomic>
 #include <cerrno>
 #include <system_error>
 #include <utility>
@@ -47,7 +46,6 @@ void ThreadPool::Post(std::function<void()> task) {
     GrowIfStarvedLocked();
   }
   cv_.notify_one();
-  if (has_left_.load(std::memory_order_relaxed)) JoinLeft();
 }
 
 int ThreadPool::threads_for_test() {
@@ -57,12 +55,9 @@ int ThreadPool::threads_for_test() {
 
 ThreadPool::BlockedScope::BlockedScope() : pool_(current_pool) {
   if (pool_ == nullptr) return;
-  {
-    std::lock_guard<std::mutex> lock(pool_->mu_);
-    ++pool_->blocked_;
-    pool_->GrowIfStarvedLocked();
-  }
-  if (pool_->has_left_.load(std::memory_order_relaxed)) pool_->JoinLeft();
+  std::lock_guard<std::mutex> lock(pool_->mu_);
+  ++pool_->blocked_;
+  pool_->GrowIfStarvedLocked();
 }
 
 ThreadPool::BlockedScope::~BlockedScope() {
@@ -98,25 +93,11 @@ bool ThreadPool::StartLocked() {
   return true;
 }
 
-void ThreadPool::JoinLeft() {
-  std::vector<std::thread> left;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    left.swap(left_);
-    has_left_.store(false, std::memory_order_relaxed);
-  }
-  for (std::thread& t : left) {
-    if (t.get_id() == std::this_thread::get_id()) {
-      t.detach();  // on its way out already (a thread-local's destructor)
-    } else {
-      t.join();
-    }
-  }
-}
-
 void ThreadPool::Loop(Threads::iterator self) {
   if (growth_ == Growth::kWhileBlocked) current_pool = this;
   std::unique_lock<std::mutex> lock(mu_);
+  // The thread that left before this one, joined once this one unlocks.
+  std::vector<std::thread> earlier;
   for (;;) {
     ++idle_;
     const auto ready = [this] { return stopping_ || !tasks_.empty(); };
@@ -126,9 +107,15 @@ void ThreadPool::Loop(Threads::iterator self) {
           alive_ - blocked_ > wanted_) {
         --idle_;
         --alive_;
+        earlier.swap(left_);
         left_.push_back(std::move(*self));
-        has_left_.store(true, std::memory_order_relaxed);
         threads_.erase(self);
+        lock.unlock();
+        current_pool = nullptr;
+        // Each leaving thread joins the one before it (which has returned
+        // from Loop by now, or is about to): at most one waits to be
+        // joined, by the next to leave or by the destructor.
+        for (std::thread& t : earlier) t.join();
         return;
       }
     } else {
@@ -147,6 +134,7 @@ void ThreadPool::Loop(Threads::iterator self) {
     lock.lock();
   }
   if (--alive_ == 0) gone_.notify_all();
+  current_pool = nullptr;
 }
 
 }  // namespace rdmarpc::internal

@@ -19,7 +19,6 @@
 #ifndef RDMARPC_RUNTIME_THREAD_POOL_H_
 #define RDMARPC_RUNTIME_THREAD_POOL_H_
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -74,9 +73,6 @@ class ThreadPool {
   void GrowIfStarvedLocked();
   // False when no thread could be made.
   bool StartLocked();
-  // Joins the threads that left, outside mu_ (a leaving thread may still
-  // be on its way out).
-  void JoinLeft();
 
   const int wanted_;
   const char* const name_;
@@ -90,10 +86,9 @@ class ThreadPool {
   int idle_ = 0;     // of them, waiting for a task
   int blocked_ = 0;  // of them, in a BlockedScope
   Threads threads_;
-  // Threads that left (beyond `threads`), to be joined; has_left_ lets
-  // Post skip the lock when there are none.
+  // The last thread that left (beyond `threads`), to be joined by the next
+  // one that leaves, or by the destructor.
   std::vector<std::thread> left_;
-  std::atomic<bool> has_left_{false};
 };
 
 }  // namespace rdmarpc::internal

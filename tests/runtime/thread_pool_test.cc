@@ -27,10 +27,11 @@ class Chain : public std::enable_shared_from_this<Chain> {
   void Start() {
     pool_->Post([self = shared_from_this()] { self->Run(0); });
   }
-  // True once every task finished; false, giving up, after 30 s.
+  // True once every task finished; false, giving up, after 15 s (the
+  // binary's ctest timeout is 60 s: a stuck chain fails, not times out).
   bool WaitAll() {
     std::unique_lock<std::mutex> lock(mu_);
-    const bool all = cv_.wait_for(lock, std::chrono::seconds(30), [this] {
+    const bool all = cv_.wait_for(lock, std::chrono::seconds(15), [this] {
       for (bool d : done_) {
         if (!d) return false;
       }
@@ -62,9 +63,9 @@ class Chain : public std::enable_shared_from_this<Chain> {
 };
 
 // The pool is back to its size once the waits are over: threads beyond it
-// leave after ThreadPool::kLeaveAfter without a task. (Polled, up to 30 s.)
+// leave after ThreadPool::kLeaveAfter without a task. (Polled, up to 10 s.)
 bool ShrinksTo(ThreadPool* pool, int threads) {
-  for (int i = 0; i < 3000; ++i) {
+  for (int i = 0; i < 1000; ++i) {
     if (pool->threads_for_test() == threads) return true;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -94,25 +95,50 @@ TEST(ThreadPoolTest, ItGrowsAgainAfterShrinking) {
   }
 }
 
-// Runs `task` on `pool` and waits for it.
-void RunOn(ThreadPool* pool, std::function<void()> task) {
+// A latch a task waits on (held by the task, so a test that gives up
+// leaves nothing dangling).
+struct Gate {
   std::mutex mu;
   std::condition_variable cv;
-  bool ran = false;
-  pool->Post([&] {
-    task();
+  bool open = false;
+  void Open() {
     std::lock_guard<std::mutex> lock(mu);
-    ran = true;
+    open = true;
     cv.notify_all();
+  }
+  bool Wait() {
+    std::unique_lock<std::mutex> lock(mu);
+    return cv.wait_for(lock, std::chrono::seconds(15), [this] { return open; });
+  }
+};
+
+// Runs `task` on `pool` and waits for it.
+void RunOn(ThreadPool* pool, std::function<void()> task) {
+  auto ran = std::make_shared<Gate>();
+  pool->Post([ran, task = std::move(task)] {
+    task();
+    ran->Open();
   });
-  std::unique_lock<std::mutex> lock(mu);
-  ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(30), [&] { return ran; }));
+  ASSERT_TRUE(ran->Wait());
 }
 
+// The pool's only thread is busy and a task is queued: a wait marked on a
+// thread that is not the pool's starts none.
 TEST(ThreadPoolTest, OffAPoolTheScopeChangesNothing) {
   ThreadPool pool(1, "pool-test", kGrows);
-  { ThreadPool::BlockedScope blocked; }  // this thread is not the pool's
-  EXPECT_EQ(pool.threads_for_test(), 1);
+  auto busy = std::make_shared<Gate>();
+  auto started = std::make_shared<Gate>();
+  pool.Post([busy, started] {
+    started->Open();
+    busy->Wait();
+  });
+  ASSERT_TRUE(started->Wait());
+  pool.Post([] {});
+  {
+    ThreadPool::BlockedScope blocked;
+    EXPECT_EQ(pool.threads_for_test(), 1);
+  }
+  busy->Open();
   RunOn(&pool, [] {});
   EXPECT_EQ(pool.threads_for_test(), 1);
 }
@@ -131,18 +157,21 @@ TEST(ThreadPoolTest, AWaitWithNothingQueuedStartsNoThread) {
 // A fixed pool keeps its threads: a task queued behind a waiting one runs
 // after it.
 TEST(ThreadPoolTest, AFixedPoolDoesNotGrow) {
-  ThreadPool pool(1, "pool-test");
+  // Declared before the pool: its destructor may run the second task.
   bool second_ran_first = true;
   bool second_ran = false;
   int threads_in_scope = 0;
+  ThreadPool pool(1, "pool-test");
   RunOn(&pool, [&] {
     pool.Post([&] { second_ran = true; });
     ThreadPool::BlockedScope blocked;
     threads_in_scope = pool.threads_for_test();
     second_ran_first = second_ran;  // only this thread could run it
   });
+  RunOn(&pool, [] {});  // one thread, in order: the second task ran
   EXPECT_EQ(threads_in_scope, 1);
   EXPECT_FALSE(second_ran_first);
+  EXPECT_TRUE(second_ran);
 }
 
 // The destructor runs what is queued, including tasks that wait for tasks.
