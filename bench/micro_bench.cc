@@ -40,15 +40,17 @@ void BM_PlanSmallPart(benchmark::State& state) {
   std::vector<uint8_t> frame(32 << 10);
   for (auto _ : state) {
     for (int t = 0; t < tensors; ++t) {
-      rdmarpc::rdma::ScratchHead<rdmarpc::rdma::RequestHead> head;
+      rdmarpc::rdma::RequestHead head;
+      head.call_id = 1;
+      head.method = "/rdmarpc_test.Echo/Echo";
       auto planned = rdmarpc::rdma::PlanPayload(req, bound, 32 << 10, 0, {},
-                                                nullptr, head->mutable_parts());
+                                                nullptr, &head.parts);
       if (!planned.ok()) {
         state.SkipWithError(std::string(planned.status().message()).c_str());
         return;
       }
       auto n = rdmarpc::rdma::EncodeFrame(rdmarpc::rdma::FrameType::kRequest, 0,
-                                          &*head, planned->inline_parts, frame,
+                                          &head, planned->inline_parts, frame,
                                           planned->message_part);
       benchmark::DoNotOptimize(n);
     }

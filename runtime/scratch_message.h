@@ -1,11 +1,11 @@
 // A protobuf message that one thread reuses call after call: a cleared
 // message keeps its strings and repeated elements, so building or parsing
-// the next one allocates nothing. Both transports build and parse their
-// per-call heads in one.
+// the next one allocates nothing. The gRPC transport's lean stream builds
+// and parses its per-call heads in one.
 //
-//   internal::ScratchMessage<RequestHead> head;  // cleared
-//   head->set_call_id(id);
-//   conn->SendFrame(FrameType::kRequest, &*head, parts);
+//   internal::ScratchMessage<LeanHead> head;  // cleared
+//   head->set_method(method);
+//   head->SerializeWithCachedSizesToArray(out);
 //
 // A nested use on the same thread (an inline callback that starts a call)
 // gets a message of its own. The thread's message keeps the capacity of the

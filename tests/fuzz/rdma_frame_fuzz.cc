@@ -3,7 +3,8 @@
 // whatever parses must satisfy the checks the transport relies on. A request
 // then goes the server's way: its parts received (ReceivePayload) and, as if
 // every written part had landed, turned into a message with bound tensors
-// (FinishPayload, the RDMA path into the codec's AcceptIncoming).
+// (FinishPayload, the RDMA path into the codec's AcceptIncoming). A call
+// head that parses encodes back to the very bytes it came in.
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -21,22 +22,38 @@ namespace {
 using namespace rdmarpc::rdma;
 using rdmarpc_runtime_test::Outer;
 
-void CheckParts(const google::protobuf::RepeatedPtrField<Part>& parts,
-                const FrameView& frame) {
+void CheckParts(const Parts& parts, const FrameView& frame) {
   uint64_t inline_total = 0;
-  for (int i = 0; i < parts.size(); ++i) {
+  for (size_t i = 0; i < parts.size(); ++i) {
     const Part& p = parts[i];
-    if (p.in_message()) {
+    if (p.in_message) {
       // Bytes inside the message part: never part 0, never also written.
-      if (i == 0 || p.out_of_band()) std::abort();
+      if (i == 0 || p.out_of_band) std::abort();
       continue;
     }
-    if (!p.out_of_band()) inline_total += p.size();
+    if (!p.out_of_band) inline_total += p.size;
   }
   if (parts.empty() || inline_total != frame.inline_bytes.size()) std::abort();
 }
 
-std::string Encode(FrameType type, const google::protobuf::MessageLite* head,
+// The head's encoding is the one the peer sent.
+void CheckEncodesBack(const FrameHead& head, const FrameView& frame) {
+  std::vector<uint8_t> bytes(head.bytes());
+  head.WriteTo(bytes.data());
+  if (std::string_view(reinterpret_cast<const char*>(bytes.data()),
+                       bytes.size()) != frame.head) {
+    std::abort();
+  }
+}
+
+Part MakePart(uint64_t size, bool out_of_band) {
+  Part part;
+  part.size = size;
+  part.out_of_band = out_of_band;
+  return part;
+}
+
+std::string Encode(FrameType type, const FrameHead& head,
                    std::string inline_bytes) {
   std::vector<uint8_t> out(4096);
   std::span<const uint8_t> part(
@@ -50,8 +67,8 @@ std::string Encode(FrameType type, const google::protobuf::MessageLite* head,
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  // Protobuf logs every string field that is not UTF-8; the parse fails
-  // and the status says so.
+  // Protobuf logs what does not parse in a grant, cancel or ping head;
+  // the parse fails and the status says so.
   static const bool quiet = [] {
     google::protobuf::SetLogHandler(nullptr);
     return true;
@@ -68,24 +85,25 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case FrameType::kRequest:
       if (RequestHead head; ParseRequest(*frame, {}, &head).ok()) {
         const RequestHead* r = &head;
-        CheckParts(r->parts(), *frame);
-        if (r->call_id() == 0 || r->method().empty()) std::abort();
+        CheckParts(r->parts, *frame);
+        CheckEncodesBack(r, *frame);
+        if (r->call_id == 0 || r->method.empty()) std::abort();
         // The receive side's plan for the parts: landing memory for each
         // written part, tensors within the budget whatever sizes the peer
         // claims. (A written message part may take up to 2 GiB; the
         // server's landing pool bounds it, so it is kept small here.)
         constexpr uint64_t kBudget = 1 << 20;
-        if (r->parts(0).size() <= kBudget) {
+        if (r->parts[0].size <= kBudget) {
           const rdmarpc::internal::TensorPlacement host(
               rdmarpc::Device::Host());
           IncomingPayload in;
-          if (ReceivePayload(r->parts(), frame->inline_bytes, kBudget, {}, host,
+          if (ReceivePayload(r->parts, frame->inline_bytes, kBudget, {}, host,
                              &Outer::default_instance(),
                              {nullptr, rdmarpc::GpuRdmaMode::kAuto}, &in)
                   .ok()) {
             uint64_t landing = 0;
             for (const auto& b : in.landing) landing += b.size();
-            if (landing > kBudget + r->parts(0).size()) std::abort();
+            if (landing > kBudget + r->parts[0].size) std::abort();
             Outer msg;
             rdmarpc::CallTensors tensors;
             auto done = FinishPayload(&in, &msg, host, kBudget, nullptr,
@@ -96,9 +114,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       break;
     case FrameType::kResponse:
-      if (ResponseHead head;
-          ParseResponse(*frame, {}, &head).ok() && head.code() == 0) {
-        CheckParts(head.parts(), *frame);
+      if (ResponseHead head; ParseResponse(*frame, {}, &head).ok()) {
+        CheckEncodesBack(&head, *frame);
+        if (head.code == 0) CheckParts(head.parts, *frame);
       }
       break;
     case FrameType::kGrant:
@@ -126,15 +144,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
 std::vector<std::string> FuzzSeeds() {
   RequestHead request;
-  request.set_call_id(1);
-  request.set_method("/a.B/C");
-  auto* m = request.add_metadata();
-  m->set_key("k");
-  m->set_value("v");
-  request.add_parts()->set_size(3);
-  auto* big = request.add_parts();
-  big->set_out_of_band(true);
-  big->set_size(1 << 20);
+  request.call_id = 1;
+  request.method = "/a.B/C";
+  request.timeout_us = 5000;
+  request.metadata.push_back({"k", "v"});
+  request.parts.push_back(MakePart(3, false));
+  request.parts.push_back(MakePart(1 << 20, true));
   // A request for an Outer message whose tensor travels in the frame.
   Outer outer;
   outer.mutable_first()->set_dtype(rdmarpc::DTYPE_U8);
@@ -142,13 +157,20 @@ std::vector<std::string> FuzzSeeds() {
   outer.mutable_first()->set_byte_size(3);
   std::string message = outer.SerializeAsString();
   RequestHead with_tensor;
-  with_tensor.set_call_id(2);
-  with_tensor.set_method("/a.B/C");
-  with_tensor.add_parts()->set_size(message.size());
-  with_tensor.add_parts()->set_size(3);
+  with_tensor.call_id = 2;
+  with_tensor.method = "/a.B/C";
+  with_tensor.parts.push_back(MakePart(message.size(), false));
+  with_tensor.parts.push_back(MakePart(3, false));
   ResponseHead response;
-  response.set_call_id(1);
-  response.add_parts()->set_size(2);
+  response.call_id = 1;
+  response.parts.push_back(MakePart(2, false));
+  response.initial_metadata.push_back({"i", "1"});
+  ResponseHead error;
+  error.call_id = 1;
+  error.code = 14;
+  error.message = "unavailable";
+  error.not_executed = true;
+  error.trailing_metadata.push_back({"t", "2"});
   Grant grant;
   grant.set_call_id(1);
   grant.set_grant_id(9);
@@ -165,8 +187,9 @@ std::vector<std::string> FuzzSeeds() {
   return {Encode(FrameType::kRequest, &request, "abc"),
           Encode(FrameType::kRequest, &with_tensor, message + "xyz"),
           Encode(FrameType::kResponse, &response, "hi"),
+          Encode(FrameType::kResponse, &error, ""),
           Encode(FrameType::kGrant, &grant, ""),
           Encode(FrameType::kCancel, &cancel, ""),
-          Encode(FrameType::kCredit, nullptr, ""),
+          Encode(FrameType::kCredit, {}, ""),
           Encode(FrameType::kPing, &ping, "")};
 }

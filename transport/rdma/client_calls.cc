@@ -71,10 +71,10 @@ std::chrono::steady_clock::duration AllowanceFor(uint64_t bytes) {
                                     kSlowestBytesPerSecond));
 }
 
-uint64_t OutOfBandBytes(const google::protobuf::RepeatedPtrField<Part>& parts) {
+uint64_t OutOfBandBytes(const Parts& parts) {
   uint64_t bytes = 0;
   for (const Part& p : parts) {
-    if (p.out_of_band()) bytes += p.size();
+    if (p.out_of_band) bytes += p.size;
   }
   return bytes;
 }
@@ -163,9 +163,9 @@ void ClientEndpoint::WaitClosed() {
 namespace {
 
 std::multimap<std::string, std::string> MetadataMap(
-    const google::protobuf::RepeatedPtrField<Metadata>& entries) {
+    const MetadataViews& entries) {
   std::multimap<std::string, std::string> map;
-  for (const Metadata& m : entries) map.emplace(m.key(), m.value());
+  for (const MetadataView& m : entries) map.emplace(m.key, m.value);
   return map;
 }
 
@@ -173,18 +173,18 @@ std::multimap<std::string, std::string> MetadataMap(
 
 void ClientEndpoint::Start(internal::ClientCall call) {
   ClientContext* ctx = call.ctx;
-  ScratchHead<RequestHead> head;
-  head->set_call_id(call.call_id);
-  head->set_method(call.method);
+  // Views into `call` (then the record it moves into) and `ctx`, which
+  // outlive the send below.
+  RequestHead head;
+  head.call_id = call.call_id;
+  head.method = call.method;
   if (ctx->deadline()) {
     auto left = std::chrono::duration_cast<std::chrono::microseconds>(
         *ctx->deadline() - Clock::now());
-    head->set_timeout_us(std::max<int64_t>(1, left.count()));
+    head.timeout_us = std::max<int64_t>(1, left.count());
   }
   for (const auto& [k, v] : ctx->metadata()) {
-    Metadata* m = head->add_metadata();
-    m->set_key(k);
-    m->set_value(v);
+    head.metadata.push_back({k, v});
   }
   if (lost_.load(std::memory_order_acquire)) {
     std::string why =
@@ -194,12 +194,12 @@ void ClientEndpoint::Start(internal::ClientCall call) {
   // A close from here on fails the frame's send below, which reroutes.
   Connection* conn = attached_;
   RegistrationCache* cache = cache_.get();
-  size_t base = kPreambleBytes + head->ByteSizeLong();
+  size_t base = kPreambleBytes + FrameHead(&head).bytes();
   size_t room =
       conn->max_frame_bytes() > base ? conn->max_frame_bytes() - base : 0;
-  auto payload = PlanPayload(*call.request, ctx->tensors(), room,
-                             inline_threshold_, {conn->pd(), gpu_mode_},
-                             ctx->cuda_stream(), head->mutable_parts());
+  auto payload =
+      PlanPayload(*call.request, ctx->tensors(), room, inline_threshold_,
+                  {conn->pd(), gpu_mode_}, ctx->cuda_stream(), &head.parts);
   if (!payload.ok()) {
     if (payload.status().code() != StatusCode::kInvalidArgument) {
       // Memory RDMA could not reach (pinned staging exhausted, a CUDA
@@ -214,10 +214,9 @@ void ClientEndpoint::Start(internal::ClientCall call) {
   // and it takes at most WireLimits::max_parts: gRPC carries a bigger call.
   Status fits = CheckGrantFits(payload->out_of_band.size(),
                                conn->receive_bytes(), "the request");
-  if (fits.ok() &&
-      static_cast<size_t>(head->parts_size()) > WireLimits{}.max_parts) {
+  if (fits.ok() && head.parts.size() > WireLimits{}.max_parts) {
     fits = absl::ResourceExhaustedError(absl::StrCat(
-        "the request has ", head->parts_size(), " parts; RDMA takes at most ",
+        "the request has ", head.parts.size(), " parts; RDMA takes at most ",
         WireLimits{}.max_parts, " per call"));
   }
   if (!fits.ok()) {
@@ -270,9 +269,10 @@ void ClientEndpoint::Start(internal::ClientCall call) {
       FinishLocked(call_id, absl::CancelledError("call cancelled before start"),
                    &outcomes);
     } else {
-      Status sent = conn->SendFrame(FrameType::kRequest, &*head,
-                                    sending->out.inline_parts, nullptr,
-                                    sending->out.message_part);
+      head.method = sending->call.method;  // `call` has moved there
+      Status sent =
+          conn->SendFrame(FrameType::kRequest, &head, sending->out.inline_parts,
+                          nullptr, sending->out.message_part);
       if (!sent.ok()) {
         // Nothing reached the server: gRPC may carry it.
         FinishLocked(call_id, sent, &outcomes, Outcome::Next::kReroute);
@@ -513,16 +513,15 @@ Status ClientEndpoint::OnGrant(const FrameView& frame, Outcomes* outcomes) {
 }
 
 Status ClientEndpoint::OnResponse(const FrameView& frame, Outcomes* outcomes) {
-  ScratchHead<ResponseHead> scratch;
-  RDMARPC_RETURN_IF_ERROR(ParseResponse(frame, limits_, &*scratch));
-  const ResponseHead& head = *scratch;
+  ResponseHead head;
+  RDMARPC_RETURN_IF_ERROR(ParseResponse(frame, limits_, &head));
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = calls_.find(head.call_id());
+  auto it = calls_.find(head.call_id);
   if (it == calls_.end()) {
     // Cancelled meanwhile: a server waiting for a grant must hear it.
-    for (const Part& p : head.parts()) {
-      if (p.out_of_band()) {
-        SendCancelLocked(head.call_id());
+    for (const Part& p : head.parts) {
+      if (p.out_of_band) {
+        SendCancelLocked(head.call_id);
         break;
       }
     }
@@ -533,44 +532,46 @@ Status ClientEndpoint::OnResponse(const FrameView& frame, Outcomes* outcomes) {
       r.stage == ClientRecord::Stage::kAwaitResponseData ||
       r.stage == ClientRecord::Stage::kEndingGrant) {
     return absl::InvalidArgumentError(
-        absl::StrCat("second response for call ", head.call_id()));
+        absl::StrCat("second response for call ", head.call_id));
   }
   // Every call's round trip, callback or blocking: a process that only
   // chains callback calls needs its engines to spin across them as well.
   internal::RecordRoundTrip(internal::SpinClock::Get().Now() - r.posted_ticks);
   r.moved_at = internal::CoarseSteadyNow();
-  r.in_flight_allowance = AllowanceFor(OutOfBandBytes(head.parts()));
+  r.in_flight_allowance = AllowanceFor(OutOfBandBytes(head.parts));
   // The caller reads them only once the call completed; a re-send over
   // gRPC replaces them.
   internal::ClientContextAccess::SetServerMetadata(
-      r.call.ctx, MetadataMap(head.initial_metadata()),
-      MetadataMap(head.trailing_metadata()));
-  if (head.code() != 0) {
+      r.call.ctx, MetadataMap(head.initial_metadata),
+      MetadataMap(head.trailing_metadata));
+  if (head.code != 0) {
     bool not_sent =
-        r.stage == ClientRecord::Stage::kAwaitGrant && head.not_executed();
-    FinishLocked(head.call_id(),
-                 Status(static_cast<StatusCode>(head.code()), head.message()),
-                 outcomes,
-                 not_sent ? Outcome::Next::kReroute : Outcome::Next::kComplete);
+        r.stage == ClientRecord::Stage::kAwaitGrant && head.not_executed;
+    FinishLocked(
+        head.call_id,
+        Status(static_cast<StatusCode>(head.code),
+               absl::string_view(head.message.data(), head.message.size())),
+        outcomes,
+        not_sent ? Outcome::Next::kReroute : Outcome::Next::kComplete);
     return absl::OkStatus();
   }
   if (r.stage == ClientRecord::Stage::kAwaitGrant) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "response for call ", head.call_id(), " before its request arrived"));
+        "response for call ", head.call_id, " before its request arrived"));
   }
   // Decided (cancelled, say) while its request's bytes still leave: the
   // server heard the cancel and forgot the call, so a grant would break
   // the protocol. The call finishes once the writes have.
   if (r.deferred.has_value()) return absl::OkStatus();
   ClientContext* ctx = r.call.ctx;
-  const uint64_t call_id = head.call_id();
+  const uint64_t call_id = head.call_id;
   Status received = ReceivePayload(
-      head.parts(), frame.inline_bytes, r.call.max_response_tensor_bytes,
+      head.parts, frame.inline_bytes, r.call.max_response_tensor_bytes,
       ctx->response_tensor_buffers(), ctx->response_placement(), nullptr,
       {conn_->pd(), gpu_mode_}, &r.in);
   const bool server_waits =
-      std::any_of(head.parts().begin(), head.parts().end(),
-                  [](const Part& p) { return p.out_of_band(); });
+      std::any_of(head.parts.begin(), head.parts.end(),
+                  [](const Part& p) { return p.out_of_band; });
   if (!received.ok()) {
     FailResponseLocked(call_id, std::move(received), server_waits, outcomes);
     return absl::OkStatus();

@@ -203,15 +203,12 @@ Status Connection::PostReceive(uint32_t index) {
 }
 
 Status Connection::SendFrame(
-    FrameType type, const google::protobuf::MessageLite* head,
+    FrameType type, const FrameHead& head,
     std::span<const std::span<const uint8_t>> inline_parts,
     std::function<void(Status)>&& sent, MessagePart message) {
   size_t inline_bytes = message.msg == nullptr ? 0 : message.bytes;
   for (const auto& p : inline_parts) inline_bytes += p.size();
-  // The only size computation: EncodeFrameSized serializes with cached
-  // sizes.
-  size_t head_bytes = head == nullptr ? 0 : head->ByteSizeLong();
-  size_t total = FrameBytes(head_bytes, inline_bytes);
+  size_t total = FrameBytes(head.bytes(), inline_bytes);
   if (total > config_.peer_receive_bytes) {
     return absl::ResourceExhaustedError(
         absl::StrCat("frame of ", total, " bytes exceeds the peer's ",
@@ -231,9 +228,9 @@ Status Connection::SendFrame(
       uint8_t* dst = SendBuffer(free_send_buffers_.back());
       RDMARPC_ASSIGN_OR_RETURN(
           size_t written,
-          EncodeFrameSized(
-              type, 0, head, head_bytes, message, inline_parts,
-              std::span<uint8_t>(dst, config_.peer_receive_bytes)));
+          EncodeFrame(type, 0, head, inline_parts,
+                      std::span<uint8_t>(dst, config_.peer_receive_bytes),
+                      message));
       pumped = PostSendBufferLocked(written, std::move(sent), false);
     } else {
       ++counters_.waits_for_credit;
@@ -241,8 +238,8 @@ Status Connection::SendFrame(
       frame.bytes.resize(total);
       RDMARPC_ASSIGN_OR_RETURN(
           size_t written,
-          EncodeFrameSized(type, 0, head, head_bytes, message, inline_parts,
-                           std::span<uint8_t>(frame.bytes)));
+          EncodeFrame(type, 0, head, inline_parts,
+                      std::span<uint8_t>(frame.bytes), message));
       frame.bytes.resize(written);
       // Taken only now: on an error the caller still has it.
       frame.sent = std::move(sent);
@@ -687,7 +684,7 @@ Status Connection::PumpLocked() {
     } else if (window_.TryTakeForCreditReturn()) {
       PendingFrame credit;
       credit.bytes.resize(kPreambleBytes);
-      RDMARPC_RETURN_IF_ERROR(EncodeFrame(FrameType::kCredit, 0, nullptr, {},
+      RDMARPC_RETURN_IF_ERROR(EncodeFrame(FrameType::kCredit, 0, {}, {},
                                           std::span<uint8_t>(credit.bytes))
                                   .status());
       RDMARPC_RETURN_IF_ERROR(PostFrameLocked(credit, true));

@@ -214,7 +214,7 @@ class Connection : public std::enable_shared_from_this<Connection>,
   // and then `sent` is left as it was (taken only on success, so the
   // caller can still run it without a copy).
   [[nodiscard]] Status SendFrame(
-      FrameType type, const google::protobuf::MessageLite* head,
+      FrameType type, const FrameHead& head,
       std::span<const std::span<const uint8_t>> inline_parts = {},
       std::function<void(Status)>&& sent = nullptr, MessagePart message = {});
 

@@ -17,9 +17,6 @@
 namespace rdmarpc::rdma {
 namespace {
 
-// Head bytes one Part may take: tags, two varints, a bool.
-constexpr size_t kPartHeadBytes = 16;
-
 // Staging copies and their writes go in chunks of this size, so that the
 // copy of one chunk overlaps the write of the one before.
 constexpr size_t kStagingChunk = size_t{4} << 20;
@@ -30,10 +27,12 @@ std::span<const uint8_t> Bytes(const void* data, size_t size) {
 
 }  // namespace
 
-StatusOr<OutgoingPayload> PlanPayload(
-    const google::protobuf::Message& msg, const CallTensors& tensors,
-    size_t frame_room, uint64_t inline_threshold, const GpuAccess& gpu,
-    void* cuda_stream, google::protobuf::RepeatedPtrField<Part>* parts) {
+StatusOr<OutgoingPayload> PlanPayload(const google::protobuf::Message& msg,
+                                      const CallTensors& tensors,
+                                      size_t frame_room,
+                                      uint64_t inline_threshold,
+                                      const GpuAccess& gpu, void* cuda_stream,
+                                      Parts* parts) {
   RDMARPC_ASSIGN_OR_RETURN(internal::OutgoingPlan plan,
                            internal::PlanOutgoing(msg, tensors));
   OutgoingPayload out;
@@ -46,7 +45,7 @@ StatusOr<OutgoingPayload> PlanPayload(
         "its tensors?)"));
   }
   out.tensor_bytes = plan.total_bytes;
-  size_t head_reserve = (plan.tensors.size() + 1) * kPartHeadBytes;
+  size_t head_reserve = (plan.tensors.size() + 1) * kPartBytes;
   size_t room = frame_room > head_reserve ? frame_room - head_reserve : 0;
   // Spans point into the staged copies: no reallocation may move them.
   size_t gpu_tensors = 0;
@@ -54,17 +53,17 @@ StatusOr<OutgoingPayload> PlanPayload(
     gpu_tensors += t.out_of_band && t.buffer.device().is_cuda();
   }
   out.staged.reserve(gpu_tensors);
-  parts->Reserve(static_cast<int>(plan.tensors.size() + 1));
+  parts->reserve(plan.tensors.size() + 1);
   auto add = [&](PartSource source, bool may_inline, bool in_message) {
-    Part* part = parts->Add();
-    part->set_size(source.size);
+    Part& part = parts->emplace_back();
+    part.size = source.size;
     if (in_message) {
-      part->set_in_message(true);
+      part.in_message = true;
     } else if (may_inline && source.size <= room) {
       room -= source.size;
       out.inline_parts.push_back(Bytes(source.data, source.size));
     } else {
-      part->set_out_of_band(true);
+      part.out_of_band = true;
       out.out_of_band.push_back(source);
     }
   };
@@ -80,7 +79,7 @@ StatusOr<OutgoingPayload> PlanPayload(
   if (message_bytes <= room) {
     // Part 0 in the frame, serialized there (no copy of it here).
     room -= message_bytes;
-    parts->Add()->set_size(message_bytes);
+    parts->emplace_back().size = message_bytes;
     out.message_part = {&msg, message_bytes};
   } else {
     out.message = std::make_unique<std::string>();
@@ -269,39 +268,37 @@ StatusOr<int> WriteGrantedParts(const FrameView& frame,
   return queued;
 }
 
-Status ReceivePayload(const google::protobuf::RepeatedPtrField<Part>& parts,
-                      std::string_view inline_bytes, uint64_t max_tensor_bytes,
+Status ReceivePayload(const Parts& parts, std::string_view inline_bytes,
+                      uint64_t max_tensor_bytes,
                       std::span<const TensorBuffer> supplied,
                       const internal::TensorPlacement& placement,
                       const google::protobuf::Message* prototype,
                       const GpuAccess& gpu, IncomingPayload* out) {
   IncomingPayload& in = *out;
-  in.parts.assign(parts.begin(), parts.end());
+  in.parts = parts;
   in.inline_tensors.resize(parts.size() - 1);
   uint64_t tensor_total = 0;
   size_t offset = 0;
-  const bool all_in_frame =
-      std::none_of(parts.begin(), parts.end(),
-                   [](const Part& p) { return p.out_of_band(); });
+  const bool all_in_frame = std::none_of(
+      parts.begin(), parts.end(), [](const Part& p) { return p.out_of_band; });
   for (size_t i = 0; i < in.parts.size(); ++i) {
     const Part& p = in.parts[i];
-    if (i == 0 && p.size() > INT_MAX) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("message part of ", p.size(),
-                       " bytes exceeds protobuf's 2 GiB limit"));
+    if (i == 0 && p.size > INT_MAX) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "message part of ", p.size, " bytes exceeds protobuf's 2 GiB limit"));
     }
     if (i > 0) {
-      if (p.size() > max_tensor_bytes - tensor_total) {
+      if (p.size > max_tensor_bytes - tensor_total) {
         return absl::ResourceExhaustedError(
             absl::StrCat("message tensors exceed the receiver's limit of ",
                          max_tensor_bytes, " bytes"));
       }
-      tensor_total += p.size();
+      tensor_total += p.size;
     }
-    if (p.in_message()) continue;
-    if (!p.out_of_band()) {
-      std::string_view bytes = inline_bytes.substr(offset, p.size());
-      offset += p.size();
+    if (p.in_message) continue;
+    if (!p.out_of_band) {
+      std::string_view bytes = inline_bytes.substr(offset, p.size);
+      offset += p.size;
       if (i == 0 && all_in_frame) {
         in.message_in_frame = bytes;
       } else if (i == 0) {
@@ -316,7 +313,7 @@ Status ReceivePayload(const google::protobuf::RepeatedPtrField<Part>& parts,
   // tensors of fields placed apart.
   absl::InlinedVector<Device, 2> devices(in.parts.size() - 1, placement.device);
   if (!placement.by_field.empty() && prototype != nullptr &&
-      !in.parts[0].out_of_band()) {
+      !in.parts[0].out_of_band) {
     std::unique_ptr<google::protobuf::Message> probe(prototype->New());
     const std::string_view message =
         all_in_frame ? in.message_in_frame : std::string_view(in.message);
@@ -332,16 +329,16 @@ Status ReceivePayload(const google::protobuf::RepeatedPtrField<Part>& parts,
   // it has room), granted through one memory window (GrantThroughWindow,
   // RegisterLandingMemory).
   auto lands_in_block = [&](size_t i) {
-    return in.parts[i].out_of_band() &&
+    return in.parts[i].out_of_band &&
            (i == 0 || (devices[i - 1].is_host() &&
                        (i - 1 >= supplied.size() || supplied[i - 1].empty())));
   };
   size_t block_bytes = 0;
   for (size_t i = 0; i < in.parts.size(); ++i) {
-    if (!in.parts[i].out_of_band()) continue;
+    if (!in.parts[i].out_of_band) continue;
     if (!lands_in_block(i)) continue;
-    const size_t rounded = LandingArena::Rounded(in.parts[i].size());
-    if (rounded < in.parts[i].size() || block_bytes + rounded < block_bytes) {
+    const size_t rounded = LandingArena::Rounded(in.parts[i].size);
+    if (rounded < in.parts[i].size || block_bytes + rounded < block_bytes) {
       return absl::ResourceExhaustedError(
           "the announced tensor sizes overflow the landing memory's size");
     }
@@ -367,10 +364,10 @@ Status ReceivePayload(const google::protobuf::RepeatedPtrField<Part>& parts,
   size_t block_offset = 0;
   for (size_t i = 0; i < in.parts.size(); ++i) {
     const Part& p = in.parts[i];
-    if (!p.out_of_band()) continue;
+    if (!p.out_of_band) continue;
     if (!in.landing_block.empty() && lands_in_block(i)) {
-      in.landing.push_back(in.landing_block.Slice(block_offset, p.size()));
-      block_offset += LandingArena::Rounded(p.size());
+      in.landing.push_back(in.landing_block.Slice(block_offset, p.size));
+      block_offset += LandingArena::Rounded(p.size);
       in.landing_part.push_back(i);
       in.landing_movers.push_back(ChooseMover(Device::Host(), gpu).mover);
       in.staged_to.emplace_back();
@@ -381,13 +378,13 @@ Status ReceivePayload(const google::protobuf::RepeatedPtrField<Part>& parts,
     Device device = i == 0 ? Device::Host() : devices[i - 1];
     if (i > 0 && i - 1 < supplied.size() && !supplied[i - 1].empty()) {
       const TensorBuffer& s = supplied[i - 1];
-      if (s.size() < p.size()) {
+      if (s.size() < p.size) {
         return absl::ResourceExhaustedError(absl::StrCat(
-            "response tensor #", i - 1, " is ", p.size(),
+            "response tensor #", i - 1, " is ", p.size,
             " bytes; the buffer given with SetResponseTensorBuffer holds ",
             s.size()));
       }
-      supplied_buffer = s.Slice(0, p.size());
+      supplied_buffer = s.Slice(0, p.size);
       device = s.device();
     }
     MoverChoice c = ChooseMover(device, gpu);
@@ -398,7 +395,7 @@ Status ReceivePayload(const google::protobuf::RepeatedPtrField<Part>& parts,
     TensorBuffer staged_to;
     RDMARPC_ASSIGN_OR_RETURN(
         TensorBuffer landing,
-        c.mover->AllocateLanding(device, p.size(), std::move(supplied_buffer),
+        c.mover->AllocateLanding(device, p.size, std::move(supplied_buffer),
                                  &staged_to));
     const bool staged =
         device.is_cuda() && c.mover->mode() == GpuRdmaMode::kStaging;
@@ -669,15 +666,15 @@ StatusOr<internal::IncomingResult> FinishPayload(
   uint64_t copied = 0;
   for (size_t i = 0; i < fields.size(); ++i) {
     const Part& p = in->parts[i + 1];
-    if (!p.out_of_band() && !p.in_message()) {
+    if (!p.out_of_band && !p.in_message) {
       if (!fields[i]->data().empty()) {
         return absl::InvalidArgumentError(absl::StrCat(
             "tensor #", i, ": sent in the frame and inside the message"));
       }
       fields[i]->set_data(std::move(in->inline_tensors[i]));
-      copied += p.size();
+      copied += p.size;
     }
-    parts.push_back({p.out_of_band(), p.size(), landed[i + 1]});
+    parts.push_back({p.out_of_band, p.size, landed[i + 1]});
   }
   RDMARPC_ASSIGN_OR_RETURN(
       internal::IncomingResult result,

@@ -5,7 +5,7 @@
 // Sending:
 //   RDMARPC_ASSIGN_OR_RETURN(OutgoingPayload out,
 //                            PlanPayload(msg, tensors, room, threshold, gpu,
-//                                        stream, head.mutable_parts()));
+//                                        stream, &head.parts));
 //   the frame carries out.inline_parts;
 //   for each out.out_of_band[k]: write into the peer's region k.
 // Receiving:
@@ -26,7 +26,6 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/functional/function_ref.h"
 #include "google/protobuf/message.h"
-#include "google/protobuf/repeated_ptr_field.h"
 #include "rdmarpc/memory.h"
 #include "rdmarpc/status.h"
 #include "rdmarpc/tensor.h"
@@ -75,7 +74,7 @@ struct OutgoingPayload {
 [[nodiscard]] StatusOr<OutgoingPayload> PlanPayload(
     const google::protobuf::Message& msg, const CallTensors& tensors,
     size_t frame_room, uint64_t inline_threshold, const GpuAccess& gpu,
-    void* cuda_stream, google::protobuf::RepeatedPtrField<Part>* parts);
+    void* cuda_stream, Parts* parts);
 
 // Registrations for the out-of-band parts of `out`, in order, each by its
 // mover: host memory through `cache`, GPU memory in its direct mode (for
@@ -107,7 +106,7 @@ struct OutgoingPayload {
 struct IncomingPayload {
   // Inline room for a message part and a tensor: a small call's payload
   // costs no allocation for its bookkeeping.
-  absl::InlinedVector<Part, 2> parts;
+  Parts parts;
   // Part 0 when it came in the frame: copied out when another part is
   // out of band (the call then finishes after the buffer is re-posted),
   // else viewed in the frame, which the caller finishes before the
@@ -158,13 +157,13 @@ struct IncomingPayload {
 // copies to the GPU. RESOURCE_EXHAUSTED (budget, memory) and INVALID_ARGUMENT
 // fail the call, not the connection. Fills `in`, which must be empty: in place,
 // since the payload is large to move.
-[[nodiscard]] Status ReceivePayload(
-    const google::protobuf::RepeatedPtrField<Part>& parts,
-    std::string_view inline_bytes, uint64_t max_tensor_bytes,
-    std::span<const TensorBuffer> supplied,
-    const internal::TensorPlacement& placement,
-    const google::protobuf::Message* prototype, const GpuAccess& gpu,
-    IncomingPayload* in);
+[[nodiscard]] Status ReceivePayload(const Parts& parts,
+                                    std::string_view inline_bytes,
+                                    uint64_t max_tensor_bytes,
+                                    std::span<const TensorBuffer> supplied,
+                                    const internal::TensorPlacement& placement,
+                                    const google::protobuf::Message* prototype,
+                                    const GpuAccess& gpu, IncomingPayload* in);
 
 // Reserves the windows that will grant in.landing (Connection::
 // ReserveWindows): one over the landing block and one per other landing

@@ -19,18 +19,15 @@ using google::protobuf::Message;
 
 namespace {
 
-// The handler's metadata, into the response head it goes out with.
+// The handler's metadata, into the response head it goes out with (views
+// into `state`, which must outlive the head).
 void AddResponseMetadata(const internal::ServerCallState& state,
                          ResponseHead* head) {
   for (const auto& [k, v] : state.initial_metadata) {
-    Metadata* m = head->add_initial_metadata();
-    m->set_key(k);
-    m->set_value(v);
+    head->initial_metadata.push_back({k, v});
   }
   for (const auto& [k, v] : state.trailing_metadata) {
-    Metadata* m = head->add_trailing_metadata();
-    m->set_key(k);
-    m->set_value(v);
+    head->trailing_metadata.push_back({k, v});
   }
 }
 
@@ -158,27 +155,26 @@ void ServerEndpoint::ForgetLocked(uint64_t call_id) {
 void ServerEndpoint::FailLocked(uint64_t call_id, const Status& status,
                                 bool not_executed,
                                 const internal::ServerCallState* answered) {
-  ScratchHead<ResponseHead> head;
-  head->set_call_id(call_id);
-  if (answered != nullptr) AddResponseMetadata(*answered, &*head);
-  head->set_code(static_cast<int>(status.code()));
-  head->set_not_executed(not_executed);
+  ResponseHead head;
+  head.call_id = call_id;
+  head.code = static_cast<int>(status.code());
+  head.not_executed = not_executed;
+  if (answered != nullptr) AddResponseMetadata(*answered, &head);
   // The message is cut to what the peer takes, and to what still fits in
-  // one frame beside the metadata (a varint tag and length take <= 6).
-  const size_t used = kPreambleBytes + head->ByteSizeLong() + 6;
+  // one frame beside the metadata.
+  const size_t used = kPreambleBytes + FrameHead(&head).bytes();
   const size_t fits =
       conn_->max_frame_bytes() > used ? conn_->max_frame_bytes() - used : 0;
-  std::string message(status.message());
-  message.resize(
-      std::min({message.size(), limits_.max_status_message_bytes, fits}));
-  head->set_message(message);
+  head.message =
+      std::string_view(status.message().data(), status.message().size())
+          .substr(0, std::min(limits_.max_status_message_bytes, fits));
   auto it = calls_.find(call_id);
   std::function<void(Status)> sent;
   if (it != calls_.end() && it->second->state && it->second->state->logged) {
     sent = SettleWhenSent(it->second->state, status, nullptr);
   }
   // On an error SendFrame leaves `sent` as it was.
-  if (!conn_->SendFrame(FrameType::kResponse, &*head, {}, std::move(sent))
+  if (!conn_->SendFrame(FrameType::kResponse, &head, {}, std::move(sent))
            .ok() &&
       sent) {
     sent(absl::UnavailableError("RDMA connection closed"));
@@ -228,9 +224,8 @@ void ServerEndpoint::Execute(ReadyCalls& ready) {
 }
 
 Status ServerEndpoint::AdmitRequest(const FrameView& frame, ReadyCalls* ready) {
-  ScratchHead<RequestHead> scratch;
-  RDMARPC_RETURN_IF_ERROR(ParseRequest(frame, limits_, &*scratch));
-  const RequestHead& head = *scratch;
+  RequestHead head;
+  RDMARPC_RETURN_IF_ERROR(ParseRequest(frame, limits_, &head));
   std::lock_guard<std::mutex> lock(mu_);
   // Declared after the lock, so it runs before the lock is released.
   absl::Cleanup take_ready = [&] { ready->swap(ready_); };
@@ -242,7 +237,7 @@ Status ServerEndpoint::AdmitRequest(const FrameView& frame, ReadyCalls* ready) {
                             went_idle_ticks_);
     went_idle_ticks_ = 0;
   }
-  uint64_t call_id = head.call_id();
+  uint64_t call_id = head.call_id;
   if (calls_.contains(call_id)) {
     return absl::InvalidArgumentError(
         absl::StrCat("call id ", call_id, " is already in flight"));
@@ -250,11 +245,13 @@ Status ServerEndpoint::AdmitRequest(const FrameView& frame, ReadyCalls* ready) {
   std::unique_ptr<ServerRecord> record = spare_record_.Take();
   ServerRecord& r = *record;
   calls_.emplace(call_id, std::move(record));
-  const internal::ServerMethod* method = dispatcher_->Find(head.method());
+  const internal::ServerMethod* method = dispatcher_->Find(head.method);
   if (method == nullptr) {
     FailLocked(call_id,
                absl::UnimplementedError(absl::StrCat(
-                   "method ", head.method(), " is not served by this server")));
+                   "method ",
+                   absl::string_view(head.method.data(), head.method.size()),
+                   " is not served by this server")));
     return absl::OkStatus();
   }
   r.state =
@@ -264,15 +261,15 @@ Status ServerEndpoint::AdmitRequest(const FrameView& frame, ReadyCalls* ready) {
   r.state->call_id = call_id;
   r.state->client_id = client_id_;
   r.state->response_path = weak_from_this();
-  if (head.timeout_us() > 0) {
+  if (head.timeout_us > 0) {
     r.state->deadline = std::chrono::system_clock::now() +
-                        std::chrono::microseconds(head.timeout_us());
+                        std::chrono::microseconds(head.timeout_us);
   }
-  for (const Metadata& m : head.metadata()) {
-    r.state->client_metadata.emplace(m.key(), m.value());
+  for (const MetadataView& m : head.metadata) {
+    r.state->client_metadata.emplace(m.key, m.value);
   }
   Status received = ReceivePayload(
-      head.parts(), frame.inline_bytes, dispatcher_->max_request_tensor_bytes(),
+      head.parts, frame.inline_bytes, dispatcher_->max_request_tensor_bytes(),
       {}, method->placement, method->descriptor.request_prototype,
       {conn_->pd(), gpu_mode_}, &r.in);
   if (!received.ok()) {
@@ -548,15 +545,15 @@ void ServerEndpoint::Respond(
   }
   // Never replaced after Attach (a close only clears it).
   std::shared_ptr<RegistrationCache> cache = cache_;
-  ScratchHead<ResponseHead> head;
-  head->set_call_id(call_id);
-  AddResponseMetadata(*state, &*head);
-  size_t base = kPreambleBytes + head->ByteSizeLong();
+  ResponseHead head;
+  head.call_id = call_id;
+  AddResponseMetadata(*state, &head);
+  size_t base = kPreambleBytes + FrameHead(&head).bytes();
   size_t room =
       conn->max_frame_bytes() > base ? conn->max_frame_bytes() - base : 0;
-  auto out = PlanPayload(*response, state->tensors, room, inline_threshold_,
-                         {conn->pd(), gpu_mode_}, state->cuda_stream,
-                         head->mutable_parts());
+  auto out =
+      PlanPayload(*response, state->tensors, room, inline_threshold_,
+                  {conn->pd(), gpu_mode_}, state->cuda_stream, &head.parts);
   Status planned = out.ok()
                        ? CheckGrantFits(out->out_of_band.size(),
                                         conn->receive_bytes(), "the response")
@@ -573,10 +570,10 @@ void ServerEndpoint::Respond(
   if (out->tensor_bytes >= kRegisterAsideBytes && internal::OnPollerThread()) {
     // An inline handler's large response: pinning its pages would hold
     // the engine, and so every connection it polls. Registered aside, and
-    // sent from there; the call counts as running meanwhile. (The head is
-    // copied: a scratch head belongs to the thread that made it.)
+    // sent from there; the call counts as running meanwhile. (The head's
+    // views point into `state`, which goes along.)
     RunAside([self = shared_from_this(), call_id, state, conn, cache,
-              head = std::make_shared<ResponseHead>(*head),
+              head = std::make_shared<ResponseHead>(std::move(head)),
               out = std::make_shared<OutgoingPayload>(*std::move(out)),
               response = std::move(response)]() mutable {
       // Fault injection: a test holds the registration thread here.
@@ -587,7 +584,7 @@ void ServerEndpoint::Respond(
     });
     return;
   }
-  RegisterAndSend(call_id, state, conn, cache, *head, *std::move(out),
+  RegisterAndSend(call_id, state, conn, cache, head, *std::move(out),
                   std::move(response));
 }
 

@@ -1,5 +1,6 @@
 #include "transport/rdma/wire.h"
 
+#include <cassert>
 #include <cstring>
 #include <initializer_list>
 #include <limits>
@@ -52,56 +53,48 @@ const char* TypeName(FrameType t) {
   return "unknown";
 }
 
+Status ExpectType(const FrameView& frame, FrameType expected) {
+  if (frame.type == expected) return absl::OkStatus();
+  return Malformed(absl::StrCat("expected a ", TypeName(expected),
+                                " frame, got a ", TypeName(frame.type)));
+}
+
+// A protobuf head (grant, cancel).
 template <typename Head>
-Status ParseHeadInto(const FrameView& frame, FrameType expected, Head* head) {
-  if (frame.type != expected) {
-    return Malformed(absl::StrCat("expected a ", TypeName(expected),
-                                  " frame, got a ", TypeName(frame.type)));
-  }
-  if (!head->ParseFromArray(frame.head.data(),
-                            static_cast<int>(frame.head.size()))) {
+StatusOr<Head> ParseHead(const FrameView& frame, FrameType expected) {
+  RDMARPC_RETURN_IF_ERROR(ExpectType(frame, expected));
+  Head head;
+  if (!head.ParseFromArray(frame.head.data(),
+                           static_cast<int>(frame.head.size()))) {
     return Malformed(
         absl::StrCat("the ", TypeName(expected), " head does not parse"));
   }
-  return absl::OkStatus();
-}
-
-template <typename Head>
-StatusOr<Head> ParseHead(const FrameView& frame, FrameType expected) {
-  Head head;
-  RDMARPC_RETURN_IF_ERROR(ParseHeadInto(frame, expected, &head));
   return head;
 }
 
 // Part 0 is the message; inline parts must account for every inline byte.
-Status CheckParts(
-    const google::protobuf::RepeatedPtrField<rdmarpc::rdma::Part>& parts,
-    const FrameView& frame, const WireLimits& limits) {
+Status CheckParts(const Parts& parts, const FrameView& frame) {
   if (parts.empty()) return Malformed("no parts (the message part is missing)");
-  if (static_cast<size_t>(parts.size()) > limits.max_parts) {
-    return Malformed(absl::StrCat(parts.size(), " parts, more than the limit ",
-                                  limits.max_parts));
-  }
   uint64_t inline_total = 0;
-  for (int i = 0; i < parts.size(); ++i) {
-    const auto& part = parts[i];
-    if (part.in_message()) {
-      if (i == 0 || part.out_of_band()) {
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const Part& part = parts[i];
+    if (part.in_message) {
+      if (i == 0 || part.out_of_band) {
         return Malformed(
             absl::StrCat("part ", i, " cannot lie inside the message"));
       }
       continue;
     }
-    if (part.out_of_band()) {
-      if (part.size() == 0) return Malformed("an out-of-band part of 0 bytes");
+    if (part.out_of_band) {
+      if (part.size == 0) return Malformed("an out-of-band part of 0 bytes");
       continue;
     }
-    if (part.size() > frame.inline_bytes.size() - inline_total) {
+    if (part.size > frame.inline_bytes.size() - inline_total) {
       return Malformed(absl::StrCat("inline parts exceed the ",
                                     frame.inline_bytes.size(),
                                     " inline bytes of the frame"));
     }
-    inline_total += part.size();
+    inline_total += part.size;
   }
   if (inline_total != frame.inline_bytes.size()) {
     return Malformed(absl::StrCat("inline parts add up to ", inline_total,
@@ -111,22 +104,204 @@ Status CheckParts(
   return absl::OkStatus();
 }
 
-}  // namespace
+// The binary heads (docs/design.md, "Frames"). Each opens with a
+// fixed block of kFixedHeadBytes; counts and lengths are u32.
+constexpr size_t kFixedHeadBytes = 32;
+constexpr uint64_t kPartOutOfBand = uint64_t{1} << 63;
+constexpr uint64_t kPartInMessage = uint64_t{1} << 62;
+constexpr uint64_t kPartSizeMask = kPartInMessage - 1;
+constexpr uint8_t kResponseNotExecuted = 1;
 
-StatusOr<size_t> EncodeFrame(
-    FrameType type, uint16_t credits, const google::protobuf::MessageLite* head,
-    std::span<const std::span<const uint8_t>> inline_parts,
-    std::span<uint8_t> out, MessagePart message) {
-  return EncodeFrameSized(type, credits, head,
-                          head == nullptr ? 0 : head->ByteSizeLong(), message,
-                          inline_parts, out);
+size_t MetadataBytes(const MetadataViews& entries) {
+  size_t bytes = 8 * entries.size();
+  for (const MetadataView& m : entries) bytes += m.key.size() + m.value.size();
+  return bytes;
 }
 
-StatusOr<size_t> EncodeFrameSized(
-    FrameType type, uint16_t credits, const google::protobuf::MessageLite* head,
-    size_t head_bytes, MessagePart message,
+size_t EncodedBytes(const RequestHead& h) {
+  return kFixedHeadBytes + kPartBytes * h.parts.size() + h.method.size() +
+         MetadataBytes(h.metadata);
+}
+
+size_t EncodedBytes(const ResponseHead& h) {
+  return kFixedHeadBytes + kPartBytes * h.parts.size() + h.message.size() +
+         MetadataBytes(h.initial_metadata) + MetadataBytes(h.trailing_metadata);
+}
+
+uint8_t* PutBytes(uint8_t* p, std::string_view bytes) {
+  if (!bytes.empty()) std::memcpy(p, bytes.data(), bytes.size());
+  return p + bytes.size();
+}
+
+uint8_t* PutParts(uint8_t* p, const Parts& parts) {
+  for (const Part& part : parts) {
+    PutLe<8>(p, (part.size & kPartSizeMask) |
+                    (part.out_of_band ? kPartOutOfBand : 0) |
+                    (part.in_message ? kPartInMessage : 0));
+    p += kPartBytes;
+  }
+  return p;
+}
+
+uint8_t* PutMetadata(uint8_t* p, const MetadataViews& entries) {
+  for (const MetadataView& m : entries) {
+    PutLe<4>(p, m.key.size());
+    PutLe<4>(p + 4, m.value.size());
+    p = PutBytes(PutBytes(p + 8, m.key), m.value);
+  }
+  return p;
+}
+
+// Request: u64 call id, i64 timeout, u32 method bytes, u32 metadata
+// entries, u32 parts, u32 0; then the parts, the method, the entries.
+uint8_t* WriteHead(const RequestHead& h, uint8_t* p) {
+  PutLe<8>(p, h.call_id);
+  PutLe<8>(p + 8, static_cast<uint64_t>(h.timeout_us));
+  PutLe<4>(p + 16, h.method.size());
+  PutLe<4>(p + 20, h.metadata.size());
+  PutLe<4>(p + 24, h.parts.size());
+  PutLe<4>(p + 28, 0);
+  p = PutParts(p + kFixedHeadBytes, h.parts);
+  return PutMetadata(PutBytes(p, h.method), h.metadata);
+}
+
+// Response: u64 call id, u8 code, u8 flags, u16 0, u32 message bytes,
+// u32 parts, u32 initial entries, u32 trailing entries, u32 0; then the
+// parts, the message, the initial entries, the trailing entries.
+uint8_t* WriteHead(const ResponseHead& h, uint8_t* p) {
+  PutLe<8>(p, h.call_id);
+  p[8] = static_cast<uint8_t>(h.code);
+  p[9] = h.not_executed ? kResponseNotExecuted : 0;
+  PutLe<2>(p + 10, 0);
+  PutLe<4>(p + 12, h.message.size());
+  PutLe<4>(p + 16, h.parts.size());
+  PutLe<4>(p + 20, h.initial_metadata.size());
+  PutLe<4>(p + 24, h.trailing_metadata.size());
+  PutLe<4>(p + 28, 0);
+  p = PutParts(p + kFixedHeadBytes, h.parts);
+  return PutMetadata(PutMetadata(PutBytes(p, h.message), h.initial_metadata),
+                     h.trailing_metadata);
+}
+
+// Reads a binary head front to back; every read is bounds-checked, and a
+// failed one leaves the reader failed.
+class HeadReader {
+ public:
+  HeadReader(std::string_view head, const char* what)
+      : rest_(head), what_(what) {}
+
+  uint64_t U64() { return Fixed<8>(); }
+  uint32_t U32() { return static_cast<uint32_t>(Fixed<4>()); }
+  uint16_t U16() { return static_cast<uint16_t>(Fixed<2>()); }
+  uint8_t U8() { return static_cast<uint8_t>(Fixed<1>()); }
+
+  std::string_view Bytes(uint64_t n) {
+    if (!Take(n)) return {};
+    std::string_view bytes = rest_.substr(0, n);
+    rest_.remove_prefix(n);
+    return bytes;
+  }
+
+  Status ReadParts(uint32_t count, const WireLimits& limits, Parts* parts) {
+    if (count > limits.max_parts) {
+      return Malformed(absl::StrCat(count, " parts, more than the limit ",
+                                    limits.max_parts));
+    }
+    if (!Take(uint64_t{count} * kPartBytes)) return status();
+    parts->resize(count);
+    for (Part& part : *parts) {
+      const uint64_t word = U64();
+      part.size = word & kPartSizeMask;
+      part.out_of_band = (word & kPartOutOfBand) != 0;
+      part.in_message = (word & kPartInMessage) != 0;
+    }
+    return absl::OkStatus();
+  }
+
+  // Entries must stay within the limits; `count` is checked by the caller.
+  Status ReadMetadata(uint32_t count, MetadataViews* entries) {
+    entries->resize(count);
+    for (MetadataView& m : *entries) {
+      const uint32_t key_bytes = U32();
+      const uint32_t value_bytes = U32();
+      m.key = Bytes(key_bytes);
+      m.value = Bytes(value_bytes);
+    }
+    return status();
+  }
+
+  // OK when every read fit and nothing is left over.
+  Status Finish() {
+    RDMARPC_RETURN_IF_ERROR(status());
+    if (!rest_.empty()) {
+      return Malformed(absl::StrCat("the ", what_, " head has ", rest_.size(),
+                                    " bytes beyond its fields"));
+    }
+    return absl::OkStatus();
+  }
+
+  Status status() const {
+    if (!short_) return absl::OkStatus();
+    return Malformed(
+        absl::StrCat("the ", what_, " head is shorter than its fields"));
+  }
+
+ private:
+  bool Take(uint64_t n) {
+    if (short_ || n > rest_.size()) {
+      short_ = true;
+      rest_ = {};
+      return false;
+    }
+    return true;
+  }
+
+  template <int kBytes>
+  uint64_t Fixed() {
+    if (!Take(kBytes)) return 0;
+    uint64_t v = GetLe<kBytes>(rest_.data());
+    rest_.remove_prefix(kBytes);
+    return v;
+  }
+
+  std::string_view rest_;
+  const char* what_;
+  bool short_ = false;
+};
+
+}  // namespace
+
+FrameHead::FrameHead(const RequestHead* head)
+    : head_(head), bytes_(EncodedBytes(*head)) {}
+FrameHead::FrameHead(const ResponseHead* head)
+    : head_(head), bytes_(EncodedBytes(*head)) {}
+FrameHead::FrameHead(const google::protobuf::MessageLite* head)
+    : head_(head), bytes_(head->ByteSizeLong()) {}
+
+void FrameHead::WriteTo(uint8_t* out) const {
+  uint8_t* end = out;
+  switch (head_.index()) {
+    case 1:
+      end = WriteHead(*std::get<1>(head_), out);
+      break;
+    case 2:
+      end = WriteHead(*std::get<2>(head_), out);
+      break;
+    case 3:
+      // Serialized with the sizes the constructor's ByteSizeLong cached.
+      end = std::get<3>(head_)->SerializeWithCachedSizesToArray(out);
+      break;
+  }
+  // A head changed after this was made would write past its frame.
+  assert(end == out + bytes_);
+  (void)end;
+}
+
+StatusOr<size_t> EncodeFrame(
+    FrameType type, uint16_t credits, const FrameHead& head,
     std::span<const std::span<const uint8_t>> inline_parts,
-    std::span<uint8_t> out) {
+    std::span<uint8_t> out, MessagePart message) {
+  const size_t head_bytes = head.bytes();
   size_t inline_bytes = message.msg == nullptr ? 0 : message.bytes;
   for (const auto& part : inline_parts) inline_bytes += part.size();
   size_t total = FrameBytes(head_bytes, inline_bytes);
@@ -144,10 +319,8 @@ StatusOr<size_t> EncodeFrameSized(
   PutLe<4>(p + 8, head_bytes);
   PutLe<4>(p + 12, inline_bytes);
   p += kPreambleBytes;
-  if (head != nullptr) {
-    head->SerializeWithCachedSizesToArray(p);
-    p += head_bytes;
-  }
+  head.WriteTo(p);
+  p += head_bytes;
   if (message.msg != nullptr) {
     message.msg->SerializeWithCachedSizesToArray(p);
     p += message.bytes;
@@ -209,22 +382,15 @@ namespace {
 // The entries of `sets` together, against the limits; each entry as the
 // runtime accepts it (runtime/metadata.h), so a peer cannot hand a user
 // what a handler could not have sent.
-Status CheckMetadata(
-    std::initializer_list<const google::protobuf::RepeatedPtrField<Metadata>*>
-        sets,
-    const WireLimits& limits) {
-  size_t entries = 0;
+Status CheckMetadata(std::initializer_list<const MetadataViews*> sets,
+                     const WireLimits& limits) {
   size_t bytes = 0;
-  for (const auto* set : sets) {
-    entries += set->size();
-    if (entries > limits.max_metadata_entries) {
-      return Malformed(absl::StrCat(entries,
-                                    " metadata entries, more than the limit ",
-                                    limits.max_metadata_entries));
-    }
-    for (const Metadata& m : *set) {
-      bytes += m.key().size() + m.value().size();
-      Status entry = internal::CheckMetadataEntry(m.key(), m.value());
+  for (const MetadataViews* set : sets) {
+    for (const MetadataView& m : *set) {
+      bytes += m.key.size() + m.value.size();
+      Status entry = internal::CheckMetadataEntry(
+          absl::string_view(m.key.data(), m.key.size()),
+          absl::string_view(m.value.data(), m.value.size()));
       if (!entry.ok()) return Malformed(entry.message());
     }
   }
@@ -236,47 +402,89 @@ Status CheckMetadata(
   return absl::OkStatus();
 }
 
+Status CheckEntryCount(uint64_t entries, const WireLimits& limits) {
+  if (entries > limits.max_metadata_entries) {
+    return Malformed(absl::StrCat(entries,
+                                  " metadata entries, more than the limit ",
+                                  limits.max_metadata_entries));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 Status ParseRequest(const FrameView& frame, const WireLimits& limits,
                     RequestHead* out) {
-  RDMARPC_RETURN_IF_ERROR(ParseHeadInto(frame, FrameType::kRequest, out));
-  const RequestHead& head = *out;
-  if (head.call_id() == 0) return Malformed("request without a call id");
-  if (head.method().empty() || head.method().size() > limits.max_method_bytes) {
-    return Malformed(absl::StrCat("method name of ", head.method().size(),
+  RDMARPC_RETURN_IF_ERROR(ExpectType(frame, FrameType::kRequest));
+  RequestHead& head = *out;
+  HeadReader in(frame.head, "request");
+  head.call_id = in.U64();
+  head.timeout_us = static_cast<int64_t>(in.U64());
+  const uint32_t method_bytes = in.U32();
+  const uint32_t entries = in.U32();
+  const uint32_t parts = in.U32();
+  const uint32_t reserved = in.U32();
+  RDMARPC_RETURN_IF_ERROR(in.status());
+  if (reserved != 0) return Malformed("reserved request head bytes set");
+  if (head.call_id == 0) return Malformed("request without a call id");
+  if (method_bytes == 0 || method_bytes > limits.max_method_bytes) {
+    return Malformed(absl::StrCat("method name of ", method_bytes,
                                   " bytes (1 to ", limits.max_method_bytes,
                                   " allowed)"));
   }
-  if (head.timeout_us() < 0) return Malformed("negative timeout");
-  RDMARPC_RETURN_IF_ERROR(CheckMetadata({&head.metadata()}, limits));
-  RDMARPC_RETURN_IF_ERROR(CheckParts(head.parts(), frame, limits));
-  return absl::OkStatus();
+  if (head.timeout_us < 0) return Malformed("negative timeout");
+  RDMARPC_RETURN_IF_ERROR(CheckEntryCount(entries, limits));
+  RDMARPC_RETURN_IF_ERROR(in.ReadParts(parts, limits, &head.parts));
+  head.method = in.Bytes(method_bytes);
+  RDMARPC_RETURN_IF_ERROR(in.ReadMetadata(entries, &head.metadata));
+  RDMARPC_RETURN_IF_ERROR(in.Finish());
+  RDMARPC_RETURN_IF_ERROR(CheckMetadata({&head.metadata}, limits));
+  return CheckParts(head.parts, frame);
 }
 
 Status ParseResponse(const FrameView& frame, const WireLimits& limits,
                      ResponseHead* out) {
-  RDMARPC_RETURN_IF_ERROR(ParseHeadInto(frame, FrameType::kResponse, out));
-  const ResponseHead& head = *out;
-  if (head.call_id() == 0) return Malformed("response without a call id");
-  if (head.code() < 0 || head.code() > 16) {
-    return Malformed(absl::StrCat("status code ", head.code()));
+  RDMARPC_RETURN_IF_ERROR(ExpectType(frame, FrameType::kResponse));
+  ResponseHead& head = *out;
+  HeadReader in(frame.head, "response");
+  head.call_id = in.U64();
+  head.code = in.U8();
+  const uint8_t flags = in.U8();
+  const uint16_t reserved_short = in.U16();
+  const uint32_t message_bytes = in.U32();
+  const uint32_t parts = in.U32();
+  const uint32_t initial = in.U32();
+  const uint32_t trailing = in.U32();
+  const uint32_t reserved = in.U32();
+  RDMARPC_RETURN_IF_ERROR(in.status());
+  if ((flags & ~kResponseNotExecuted) != 0 || reserved_short != 0 ||
+      reserved != 0) {
+    return Malformed("reserved response head bits set");
   }
-  if (head.message().size() > limits.max_status_message_bytes) {
+  head.not_executed = (flags & kResponseNotExecuted) != 0;
+  if (head.call_id == 0) return Malformed("response without a call id");
+  if (head.code > 16) return Malformed(absl::StrCat("status code ", head.code));
+  if (message_bytes > limits.max_status_message_bytes) {
     return Malformed(
-        absl::StrCat("status message of ", head.message().size(), " bytes"));
+        absl::StrCat("status message of ", message_bytes, " bytes"));
   }
-  RDMARPC_RETURN_IF_ERROR(CheckMetadata(
-      {&head.initial_metadata(), &head.trailing_metadata()}, limits));
-  if (head.code() != 0) {
+  RDMARPC_RETURN_IF_ERROR(
+      CheckEntryCount(uint64_t{initial} + trailing, limits));
+  RDMARPC_RETURN_IF_ERROR(in.ReadParts(parts, limits, &head.parts));
+  head.message = in.Bytes(message_bytes);
+  RDMARPC_RETURN_IF_ERROR(in.ReadMetadata(initial, &head.initial_metadata));
+  RDMARPC_RETURN_IF_ERROR(in.ReadMetadata(trailing, &head.trailing_metadata));
+  RDMARPC_RETURN_IF_ERROR(in.Finish());
+  RDMARPC_RETURN_IF_ERROR(
+      CheckMetadata({&head.initial_metadata, &head.trailing_metadata}, limits));
+  if (head.code != 0) {
     // An error carries no payload.
-    if (!head.parts().empty() || !frame.inline_bytes.empty()) {
+    if (!head.parts.empty() || !frame.inline_bytes.empty()) {
       return Malformed("an error response with a payload");
     }
     return absl::OkStatus();
   }
-  RDMARPC_RETURN_IF_ERROR(CheckParts(head.parts(), frame, limits));
-  return absl::OkStatus();
+  return CheckParts(head.parts, frame);
 }
 
 StatusOr<Grant> ParseGrant(const FrameView& frame, size_t expected_regions) {

@@ -1463,9 +1463,9 @@ rdmarpc::rdma::RequestHead EchoHead(uint64_t call_id, std::string* message,
   msg.set_fail_code(fail_code);
   *message = msg.SerializeAsString();
   rdmarpc::rdma::RequestHead head;
-  head.set_call_id(call_id);
-  head.set_method("/rdmarpc_test.E2E/Echo");
-  head.add_parts()->set_size(message->size());
+  head.call_id = call_id;
+  head.method = "/rdmarpc_test.E2E/Echo";
+  head.parts.emplace_back().size = message->size();
   return head;
 }
 
@@ -1533,9 +1533,9 @@ class ForgedPeerTest : public ::testing::Test {
       int fail_code = 0) {
     std::string message;
     rdmarpc::rdma::RequestHead head = EchoHead(id, &message, fail_code);
-    auto* part = head.add_parts();
-    part->set_out_of_band(true);
-    part->set_size(4096);
+    rdmarpc::rdma::Part& part = head.parts.emplace_back();
+    part.out_of_band = true;
+    part.size = 4096;
     std::span<const uint8_t> inline_part(
         reinterpret_cast<const uint8_t*>(message.data()), message.size());
     RDMARPC_RETURN_IF_ERROR(conn.SendFrame(rdmarpc::rdma::FrameType::kRequest,
@@ -2208,7 +2208,7 @@ TEST_F(ForgedPeerTest, DescriptorThatDisagreesWithTheMessageFailsTheCall) {
   std::string message;
   rdmarpc::rdma::RequestHead head = EchoHead(7, &message);
   std::string ten(10, 'z');
-  head.add_parts()->set_size(ten.size());
+  head.parts.emplace_back().size = ten.size();
   std::span<const uint8_t> parts[] = {
       {reinterpret_cast<const uint8_t*>(message.data()), message.size()},
       {reinterpret_cast<const uint8_t*>(ten.data()), ten.size()}};
@@ -2218,11 +2218,13 @@ TEST_F(ForgedPeerTest, DescriptorThatDisagreesWithTheMessageFailsTheCall) {
   auto [type, response_head] = handler->Next();
   ASSERT_EQ(type, rdmarpc::rdma::FrameType::kResponse);
   rdmarpc::rdma::ResponseHead response;
-  ASSERT_TRUE(response.ParseFromString(response_head));
-  EXPECT_EQ(response.code(),
+  const rdmarpc::rdma::FrameView frame{rdmarpc::rdma::FrameType::kResponse, 0,
+                                       false, response_head, ""};
+  ASSERT_TRUE(rdmarpc::rdma::ParseResponse(frame, {}, &response).ok());
+  EXPECT_EQ(response.code,
             static_cast<int>(absl::StatusCode::kInvalidArgument));
-  EXPECT_NE(response.message().find("4096"), std::string::npos)
-      << response.message();
+  EXPECT_NE(response.message.find("4096"), std::string::npos)
+      << response.message;
   EXPECT_EQ(service_.echo_calls.load(), 0);
   (*conn)->Close(absl::CancelledError("test done"));
   ExpectServerStillServes();

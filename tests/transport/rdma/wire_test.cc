@@ -10,8 +10,7 @@
 namespace rdmarpc::rdma {
 namespace {
 
-std::string Encode(FrameType type, uint16_t credits,
-                   const google::protobuf::MessageLite* head,
+std::string Encode(FrameType type, uint16_t credits, const FrameHead& head,
                    std::vector<std::string> inline_parts = {}) {
   std::vector<std::span<const uint8_t>> spans;
   for (const std::string& p : inline_parts) {
@@ -23,18 +22,23 @@ std::string Encode(FrameType type, uint16_t credits,
   return std::string(out.begin(), out.begin() + (n.ok() ? *n : 0));
 }
 
+Part MakePart(uint64_t size, bool out_of_band = false,
+              bool in_message = false) {
+  Part part;
+  part.size = size;
+  part.out_of_band = out_of_band;
+  part.in_message = in_message;
+  return part;
+}
+
 RequestHead Request(std::vector<std::pair<bool, uint64_t>> parts) {
   RequestHead head;
-  head.set_call_id(42);
-  head.set_method("/pkg.Svc/Run");
-  head.set_timeout_us(1500);
-  auto* m = head.add_metadata();
-  m->set_key("k");
-  m->set_value("v");
+  head.call_id = 42;
+  head.method = "/pkg.Svc/Run";
+  head.timeout_us = 1500;
+  head.metadata.push_back({"k", "v"});
   for (auto [oob, size] : parts) {
-    auto* p = head.add_parts();
-    p->set_out_of_band(oob);
-    p->set_size(size);
+    head.parts.push_back(MakePart(size, oob));
   }
   return head;
 }
@@ -56,51 +60,111 @@ TEST(WireTest, RequestRoundTripsWithInlineParts) {
   RequestHead parsed;
   Status s = ParseRequest(*frame, {}, &parsed);
   ASSERT_TRUE(s.ok()) << s;
-  EXPECT_EQ(parsed.call_id(), 42u);
-  EXPECT_EQ(parsed.method(), "/pkg.Svc/Run");
-  EXPECT_EQ(parsed.parts_size(), 3);
-  EXPECT_EQ(parsed.metadata(0).value(), "v");
+  EXPECT_EQ(parsed.call_id, 42u);
+  EXPECT_EQ(parsed.method, "/pkg.Svc/Run");
+  EXPECT_EQ(parsed.timeout_us, 1500);
+  ASSERT_EQ(parsed.parts.size(), 3u);
+  EXPECT_EQ(parsed.parts[1].size, uint64_t{1} << 20);
+  EXPECT_TRUE(parsed.parts[1].out_of_band);
+  EXPECT_FALSE(parsed.parts[2].out_of_band);
+  ASSERT_EQ(parsed.metadata.size(), 1u);
+  EXPECT_EQ(parsed.metadata[0].key, "k");
+  EXPECT_EQ(parsed.metadata[0].value, "v");
 }
 
-// The datapath parses into one message per thread: a parse must leave
-// nothing of the previous head behind, and a nested use gets its own.
-TEST(WireTest, ScratchHeadsStartEmptyAndNestedOnesAreSeparate) {
-  RequestHead first = Request({{false, 3}});
-  first.set_timeout_us(500);
-  std::string bytes = Encode(FrameType::kRequest, 0, &first, {"abc"});
-  RequestHead* reused = nullptr;
-  {
-    ScratchHead<RequestHead> head;
-    ASSERT_TRUE(ParseRequest(*DecodeFrame(bytes), {}, &*head).ok());
-    EXPECT_EQ(head->timeout_us(), 500);
-    reused = &*head;
-    ScratchHead<RequestHead> nested;
-    EXPECT_NE(&*nested, reused);
-    EXPECT_EQ(nested->call_id(), 0u);
-  }
+// The heads' layouts are a contract with peers of other builds: the bytes
+// of one request and one response, field by field (docs/design.md, "Wire
+// protocol").
+TEST(WireTest, CallHeadsHaveTheDocumentedLayout) {
+  RequestHead request;
+  request.call_id = 0x0102030405060708;
+  request.method = "/a.B/C";
+  request.timeout_us = 1000;
+  request.metadata.push_back({"k", "vv"});
+  request.parts.push_back(MakePart(5));
+  request.parts.push_back(MakePart(4096, true));
+  request.parts.push_back(MakePart(3, false, true));
+  std::string bytes = Encode(FrameType::kRequest, 0, &request, {"hello"});
+  const std::string head =
+      bytes.substr(kPreambleBytes, bytes.size() - kPreambleBytes - 5);
+  const std::string expected_request = std::string(
+      "\x08\x07\x06\x05\x04\x03\x02\x01"  // call id
+      "\xe8\x03\0\0\0\0\0\0"              // timeout 1000 us
+      "\x06\0\0\0"                        // method bytes
+      "\x01\0\0\0"                        // metadata entries
+      "\x03\0\0\0"                        // parts
+      "\0\0\0\0"                          // reserved
+      "\x05\0\0\0\0\0\0\0"                // part 0: 5 bytes inline
+      "\0\x10\0\0\0\0\0\x80"              // part 1: out of band
+      "\x03\0\0\0\0\0\0\x40"              // part 2: in the message
+      "/a.B/C"
+      "\x01\0\0\0\x02\0\0\0kvv",
+      32 + 24 + 6 + 11);
+  EXPECT_EQ(head, expected_request);
+
+  ResponseHead response;
+  response.call_id = 9;
+  response.code = 5;
+  response.message = "gone";
+  response.not_executed = true;
+  response.trailing_metadata.push_back({"t", ""});
+  bytes = Encode(FrameType::kResponse, 0, &response);
+  const std::string expected_response = std::string(
+      "\x09\0\0\0\0\0\0\0"  // call id
+      "\x05\x01\0\0"        // code, flags (not executed), reserved
+      "\x04\0\0\0"          // message bytes
+      "\0\0\0\0"            // parts
+      "\0\0\0\0"            // initial metadata entries
+      "\x01\0\0\0"          // trailing metadata entries
+      "\0\0\0\0"            // reserved
+      "gone"
+      "\x01\0\0\0\0\0\0\0t",
+      32 + 4 + 9);
+  EXPECT_EQ(bytes.substr(kPreambleBytes), expected_response);
+  ResponseHead parsed;
+  ASSERT_TRUE(ParseResponse(*DecodeFrame(bytes), {}, &parsed).ok());
+  EXPECT_EQ(parsed.code, 5);
+  EXPECT_EQ(parsed.message, "gone");
+  EXPECT_TRUE(parsed.not_executed);
+  ASSERT_EQ(parsed.trailing_metadata.size(), 1u);
+  EXPECT_EQ(parsed.trailing_metadata[0].key, "t");
+  EXPECT_TRUE(parsed.initial_metadata.empty());
+}
+
+// A head parsed into one that held another frame's keeps nothing of it.
+TEST(WireTest, ParsingReplacesWhatTheHeadHeld) {
+  RequestHead first = Request({{false, 3}, {true, 9}});
+  first.metadata.push_back({"k2", "v2"});
+  std::string first_bytes = Encode(FrameType::kRequest, 0, &first, {"abc"});
   RequestHead second = Request({{false, 0}});
-  second.clear_metadata();
-  second.set_timeout_us(0);
-  bytes = Encode(FrameType::kRequest, 0, &second);
-  ScratchHead<RequestHead> head;
-  EXPECT_EQ(&*head, reused);
-  EXPECT_EQ(head->parts_size(), 0);  // cleared on the way in
-  ASSERT_TRUE(ParseRequest(*DecodeFrame(bytes), {}, &*head).ok());
-  EXPECT_EQ(head->timeout_us(), 0);
-  EXPECT_EQ(head->metadata_size(), 0);
-  EXPECT_EQ(head->parts_size(), 1);
+  second.metadata.clear();
+  second.timeout_us = 0;
+  std::string second_bytes = Encode(FrameType::kRequest, 0, &second);
+  RequestHead head;
+  ASSERT_TRUE(ParseRequest(*DecodeFrame(first_bytes), {}, &head).ok());
+  EXPECT_EQ(head.metadata.size(), 2u);
+  ASSERT_TRUE(ParseRequest(*DecodeFrame(second_bytes), {}, &head).ok());
+  EXPECT_EQ(head.timeout_us, 0);
+  EXPECT_TRUE(head.metadata.empty());
+  ASSERT_EQ(head.parts.size(), 1u);
+  EXPECT_EQ(head.parts[0].size, 0u);
 }
 
 TEST(WireTest, OtherFramesRoundTrip) {
   ResponseHead response;
-  response.set_call_id(9);
-  response.add_parts()->set_size(2);
+  response.call_id = 9;
+  response.parts.push_back(MakePart(2));
+  response.initial_metadata.push_back({"i", "1"});
   std::string r_bytes = Encode(FrameType::kResponse, 0, &response, {"hi"});
   auto r = DecodeFrame(r_bytes);
   ASSERT_TRUE(r.ok()) << r.status();
   ResponseHead parsed_response;
   EXPECT_TRUE(ParseResponse(*r, {}, &parsed_response).ok());
-  EXPECT_EQ(parsed_response.call_id(), 9u);
+  EXPECT_EQ(parsed_response.call_id, 9u);
+  ASSERT_EQ(parsed_response.parts.size(), 1u);
+  EXPECT_EQ(parsed_response.parts[0].size, 2u);
+  ASSERT_EQ(parsed_response.initial_metadata.size(), 1u);
+  EXPECT_EQ(parsed_response.initial_metadata[0].value, "1");
 
   Grant grant;
   grant.set_call_id(9);
@@ -116,7 +180,7 @@ TEST(WireTest, OtherFramesRoundTrip) {
   ASSERT_TRUE(parsed.ok()) << parsed.status();
   EXPECT_EQ(parsed->regions(0).rkey(), 77u);
 
-  std::string c_bytes = Encode(FrameType::kCredit, 31, nullptr);
+  std::string c_bytes = Encode(FrameType::kCredit, 31, {});
   auto c = DecodeFrame(c_bytes);
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->credits, 31);
@@ -157,16 +221,16 @@ TEST(WireTest, MessagePartIsSerializedIntoTheFrameBeforeTheOtherParts) {
   auto n = EncodeFrame(FrameType::kRequest, 5, &head, {&span, 1}, out,
                        {&message, message.ByteSizeLong()});
   ASSERT_TRUE(n.ok()) << n.status();
-  EXPECT_EQ(*n, FrameBytes(head.ByteSizeLong(), serialized.size() + 3));
+  EXPECT_EQ(*n, FrameBytes(FrameHead(&head).bytes(), serialized.size() + 3));
   auto frame = DecodeFrame(
       std::string_view(reinterpret_cast<const char*>(out.data()), *n));
   ASSERT_TRUE(frame.ok()) << frame.status();
   EXPECT_EQ(frame->inline_bytes, serialized + tensor);
-  ScratchHead<RequestHead> parsed;
-  EXPECT_TRUE(ParseRequest(*frame, WireLimits{}, &*parsed).ok());
+  RequestHead parsed;
+  EXPECT_TRUE(ParseRequest(*frame, WireLimits{}, &parsed).ok());
 
   // The message counts toward the room: too big, and nothing is written.
-  std::vector<uint8_t> small(FrameBytes(head.ByteSizeLong(), 3));
+  std::vector<uint8_t> small(FrameBytes(FrameHead(&head).bytes(), 3));
   auto full = EncodeFrame(FrameType::kRequest, 0, &head, {&span, 1}, small,
                           {&message, message.ByteSizeLong()});
   EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
@@ -249,79 +313,184 @@ TEST(WireTest, RequestHeadErrors) {
   ExpectMalformed(parse(head, {"abcdef"}), "add up to 4 bytes");
   head = Request({{true, 0}});
   ExpectMalformed(parse(head), "out-of-band part of 0 bytes");
+  head = Request({{true, 4}, {false, 0}});
+  head.parts[1].in_message = true;
+  head.parts[1].out_of_band = true;
+  ExpectMalformed(parse(head), "part 1 cannot lie inside the message");
   head = Request({{false, 0}});
-  head.set_call_id(0);
+  head.parts[0].in_message = true;
+  ExpectMalformed(parse(head), "part 0 cannot lie inside the message");
+  head = Request({{false, 0}});
+  head.call_id = 0;
   ExpectMalformed(parse(head), "without a call id");
+  const std::string long_method(2000, 'm');
   head = Request({{false, 0}});
-  head.set_method(std::string(2000, 'm'));
+  head.method = long_method;
   ExpectMalformed(parse(head), "method name of 2000 bytes");
   head = Request({{false, 0}});
-  head.set_timeout_us(-1);
-  ExpectMalformed(parse(head), "negative timeout");
+  head.method = "";
+  ExpectMalformed(parse(head), "method name of 0 bytes");
   head = Request({{false, 0}});
-  head.mutable_metadata(0)->set_value(std::string(20000, 'v'));
+  head.timeout_us = -1;
+  ExpectMalformed(parse(head), "negative timeout");
+  const std::string long_value(20000, 'v');
+  head = Request({{false, 0}});
+  head.metadata[0].value = long_value;
   ExpectMalformed(parse(head), "bytes of metadata");
   head = Request({{false, 0}});
-  head.mutable_metadata(0)->set_key("Upper");
+  head.metadata[0].key = "Upper";
   ExpectMalformed(parse(head), "'Upper' has a character");
+  head = Request({{false, 0}});
+  head.metadata.assign(65, {"k", "v"});
+  ExpectMalformed(parse(head), "65 metadata entries");
   head = Request({});
-  for (int i = 0; i < 5000; ++i) head.add_parts()->set_size(0);
+  head.parts.assign(5000, {});
   ExpectMalformed(parse(head), "5000 parts");
   // A request frame parsed as something else.
   std::string bytes = Encode(FrameType::kRequest, 0, &head);
   ExpectMalformed(ParseGrant(*DecodeFrame(bytes), 0).status(),
                   "expected a grant frame, got a request");
-  bytes[16] = '\xff';  // the head no longer parses
+}
+
+// A head whose counts and lengths do not match its bytes, cut anywhere or
+// with bytes to spare, is malformed; so are set reserved bytes.
+TEST(WireTest, RequestHeadsThatDisagreeWithTheirBytes) {
+  RequestHead head = Request({{false, 3}, {true, 9}});
+  const std::string good = Encode(FrameType::kRequest, 0, &head, {"abc"});
+  const size_t head_bytes = FrameHead(&head).bytes();
+  // A frame whose head is `cut` bytes long: the preamble says so.
+  auto with_head = [&](std::string h) {
+    std::string frame = good.substr(0, kPreambleBytes) + h + "abc";
+    frame[8] = static_cast<char>(h.size());
+    frame[9] = static_cast<char>(h.size() >> 8);
+    return frame;
+  };
+  const std::string whole = good.substr(kPreambleBytes, head_bytes);
   RequestHead parsed;
-  ExpectMalformed(ParseRequest(*DecodeFrame(bytes), {}, &parsed),
-                  "does not parse");
+  ASSERT_TRUE(ParseRequest(*DecodeFrame(with_head(whole)), {}, &parsed).ok());
+  for (size_t cut = 0; cut < whole.size(); ++cut) {
+    std::string frame = with_head(whole.substr(0, cut));
+    Status s = ParseRequest(*DecodeFrame(frame), {}, &parsed);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "cut " << cut;
+  }
+  ExpectMalformed(
+      ParseRequest(*DecodeFrame(with_head(whole + "x")), {}, &parsed),
+      "1 bytes beyond its fields");
+  std::string bad = whole;
+  bad[28] = 1;
+  ExpectMalformed(ParseRequest(*DecodeFrame(with_head(bad)), {}, &parsed),
+                  "reserved request head bytes");
+  bad = whole;
+  bad[16] = 100;  // method longer than the head
+  ExpectMalformed(ParseRequest(*DecodeFrame(with_head(bad)), {}, &parsed),
+                  "shorter than its fields");
+  bad = whole;
+  bad[24] = '\xff';  // 255 parts
+  bad[25] = '\xff';  // 65535 parts: over the limit before any is read
+  ExpectMalformed(ParseRequest(*DecodeFrame(with_head(bad)), {}, &parsed),
+                  "65535 parts");
+  bad = whole;
+  for (int i = 20; i < 24; ++i) bad[i] = '\xff';  // metadata entries
+  ExpectMalformed(ParseRequest(*DecodeFrame(with_head(bad)), {}, &parsed),
+                  "4294967295 metadata entries");
+}
+
+// The same for a response: counts over the limits before their entries
+// are read, initial and trailing summed without wrapping, reserved bytes.
+TEST(WireTest, ResponseHeadsThatDisagreeWithTheirBytes) {
+  ResponseHead head;
+  head.call_id = 4;
+  head.parts.push_back(MakePart(2));
+  head.trailing_metadata.push_back({"t", "v"});
+  const std::string good = Encode(FrameType::kResponse, 0, &head, {"ok"});
+  ResponseHead parsed;
+  ASSERT_TRUE(ParseResponse(*DecodeFrame(good), {}, &parsed).ok());
+  auto with = [&](int offset, char byte) {
+    std::string bytes = good;
+    bytes[kPreambleBytes + offset] = byte;
+    return bytes;
+  };
+  for (int reserved : {10, 11, 28, 29, 30, 31}) {
+    ExpectMalformed(ParseResponse(*DecodeFrame(with(reserved, 1)), {}, &parsed),
+                    "reserved response head bits");
+  }
+  std::string bytes = good;
+  for (int i = 20; i < 24; ++i) bytes[kPreambleBytes + i] = '\xff';
+  ExpectMalformed(ParseResponse(*DecodeFrame(bytes), {}, &parsed),
+                  "4294967296 metadata entries");
+  ExpectMalformed(ParseResponse(*DecodeFrame(with(16, 2)), {}, &parsed),
+                  "shorter than its fields");
+  for (size_t cut = kPreambleBytes; cut < good.size() - 2; ++cut) {
+    // The head cut short: the preamble's head length follows it.
+    std::string frame = good.substr(0, cut) + "ok";
+    frame[8] = static_cast<char>(cut - kPreambleBytes);
+    Status s = ParseResponse(*DecodeFrame(frame), {}, &parsed);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "cut " << cut;
+  }
 }
 
 TEST(WireTest, ResponseAndGrantErrors) {
   ResponseHead error;
-  error.set_call_id(3);
-  error.set_code(5);
-  error.set_message("not found");
+  error.call_id = 3;
+  error.code = 5;
+  error.message = "not found";
   // FrameView points into the encoded bytes: keep them alive.
   std::string bytes = Encode(FrameType::kResponse, 0, &error);
   auto frame = DecodeFrame(bytes);
   ResponseHead parsed;
   EXPECT_TRUE(ParseResponse(*frame, {}, &parsed).ok());
-  error.add_parts()->set_size(0);
+  error.parts.push_back({});
   bytes = Encode(FrameType::kResponse, 0, &error);
   frame = DecodeFrame(bytes);
   ExpectMalformed(ParseResponse(*frame, {}, &parsed),
                   "error response with a payload");
   ResponseHead bad_code;
-  bad_code.set_call_id(3);
-  bad_code.set_code(99);
+  bad_code.call_id = 3;
+  bad_code.code = 99;
   bytes = Encode(FrameType::kResponse, 0, &bad_code);
   frame = DecodeFrame(bytes);
   ExpectMalformed(ParseResponse(*frame, {}, &parsed), "status code 99");
+  bytes[kPreambleBytes + 9] = 2;  // a flag that does not exist
+  ExpectMalformed(ParseResponse(*DecodeFrame(bytes), {}, &parsed),
+                  "reserved response head bits");
+  ResponseHead no_id;
+  no_id.parts.push_back({});
+  bytes = Encode(FrameType::kResponse, 0, &no_id);
+  ExpectMalformed(ParseResponse(*DecodeFrame(bytes), {}, &parsed),
+                  "without a call id");
+  const std::string long_message(20 << 10, 'm');
+  ResponseHead long_error;
+  long_error.call_id = 3;
+  long_error.code = 13;
+  long_error.message = long_message;
+  bytes = Encode(FrameType::kResponse, 0, &long_error);
+  ExpectMalformed(ParseResponse(*DecodeFrame(bytes), {}, &parsed),
+                  "status message of 20480 bytes");
   // Response metadata: initial and trailing count together, and each entry
   // follows the rules a handler's does.
   ResponseHead with_metadata;
-  with_metadata.set_call_id(3);
-  with_metadata.set_code(14);
+  with_metadata.call_id = 3;
+  with_metadata.code = 14;
+  std::vector<std::string> keys;
+  for (int i = 0; i < 40; ++i) keys.push_back("k" + std::to_string(i));
+  for (int i = 0; i < 40; ++i) keys.push_back("t" + std::to_string(i));
   for (int i = 0; i < 40; ++i) {
-    auto* m = with_metadata.add_initial_metadata();
-    m->set_key("k" + std::to_string(i));
-    auto* t = with_metadata.add_trailing_metadata();
-    t->set_key("t" + std::to_string(i));
+    with_metadata.initial_metadata.push_back({keys[i], ""});
+    with_metadata.trailing_metadata.push_back({keys[40 + i], ""});
   }
   bytes = Encode(FrameType::kResponse, 0, &with_metadata);
   frame = DecodeFrame(bytes);
   ExpectMalformed(ParseResponse(*frame, {}, &parsed), "80 metadata entries");
-  with_metadata.clear_initial_metadata();
-  with_metadata.mutable_trailing_metadata(0)->set_value("line\nbreak");
+  with_metadata.initial_metadata.clear();
+  with_metadata.trailing_metadata[0].value = "line\nbreak";
   bytes = Encode(FrameType::kResponse, 0, &with_metadata);
   frame = DecodeFrame(bytes);
   ExpectMalformed(ParseResponse(*frame, {}, &parsed), "not printable ASCII");
-  with_metadata.mutable_trailing_metadata(0)->set_value("fine");
+  with_metadata.trailing_metadata[0].value = "fine";
   bytes = Encode(FrameType::kResponse, 0, &with_metadata);
   frame = DecodeFrame(bytes);
   EXPECT_TRUE(ParseResponse(*frame, {}, &parsed).ok());
-  EXPECT_EQ(parsed.trailing_metadata_size(), 40);
+  EXPECT_EQ(parsed.trailing_metadata.size(), 40u);
 
   Grant grant;
   grant.set_call_id(1);
