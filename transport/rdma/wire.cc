@@ -1,5 +1,6 @@
 #include "transport/rdma/wire.h"
 
+#include <bit>
 #include <cassert>
 #include <cstring>
 #include <initializer_list>
@@ -11,19 +12,27 @@
 namespace rdmarpc::rdma {
 namespace {
 
-// The width is a template argument so that the compiler merges the byte
-// moves into one load or store: a loop over a width passed at run time
-// cost about 70 instructions per round trip.
+// Little-endian fields as one load or store: a loop of byte moves with
+// shifts (what the compiler kept of the portable form) cost about 50
+// instructions per 8-byte field.
 template <int kBytes>
 void PutLe(uint8_t* p, uint64_t v) {
-  for (int i = 0; i < kBytes; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+  if constexpr (std::endian::native == std::endian::little) {
+    std::memcpy(p, &v, kBytes);
+  } else {
+    for (int i = 0; i < kBytes; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+  }
 }
 
 template <int kBytes>
 uint64_t GetLe(const char* p) {
   uint64_t v = 0;
-  for (int i = 0; i < kBytes; ++i) {
-    v |= static_cast<uint64_t>(static_cast<uint8_t>(p[i])) << (8 * i);
+  if constexpr (std::endian::native == std::endian::little) {
+    std::memcpy(&v, p, kBytes);
+  } else {
+    for (int i = 0; i < kBytes; ++i) {
+      v |= static_cast<uint64_t>(static_cast<uint8_t>(p[i])) << (8 * i);
+    }
   }
   return v;
 }
@@ -218,8 +227,9 @@ class HeadReader {
     return absl::OkStatus();
   }
 
-  // Entries must stay within the limits; `count` is checked by the caller.
-  Status ReadMetadata(uint32_t count, MetadataViews* entries) {
+  // `count` is checked against the limits by the caller; a short head
+  // shows in Finish.
+  void ReadMetadata(uint32_t count, MetadataViews* entries) {
     entries->resize(count);
     for (MetadataView& m : *entries) {
       const uint32_t key_bytes = U32();
@@ -227,7 +237,6 @@ class HeadReader {
       m.key = Bytes(key_bytes);
       m.value = Bytes(value_bytes);
     }
-    return status();
   }
 
   // OK when every read fit and nothing is left over.
@@ -436,7 +445,7 @@ Status ParseRequest(const FrameView& frame, const WireLimits& limits,
   RDMARPC_RETURN_IF_ERROR(CheckEntryCount(entries, limits));
   RDMARPC_RETURN_IF_ERROR(in.ReadParts(parts, limits, &head.parts));
   head.method = in.Bytes(method_bytes);
-  RDMARPC_RETURN_IF_ERROR(in.ReadMetadata(entries, &head.metadata));
+  in.ReadMetadata(entries, &head.metadata);
   RDMARPC_RETURN_IF_ERROR(in.Finish());
   RDMARPC_RETURN_IF_ERROR(CheckMetadata({&head.metadata}, limits));
   return CheckParts(head.parts, frame);
@@ -472,8 +481,8 @@ Status ParseResponse(const FrameView& frame, const WireLimits& limits,
       CheckEntryCount(uint64_t{initial} + trailing, limits));
   RDMARPC_RETURN_IF_ERROR(in.ReadParts(parts, limits, &head.parts));
   head.message = in.Bytes(message_bytes);
-  RDMARPC_RETURN_IF_ERROR(in.ReadMetadata(initial, &head.initial_metadata));
-  RDMARPC_RETURN_IF_ERROR(in.ReadMetadata(trailing, &head.trailing_metadata));
+  in.ReadMetadata(initial, &head.initial_metadata);
+  in.ReadMetadata(trailing, &head.trailing_metadata);
   RDMARPC_RETURN_IF_ERROR(in.Finish());
   RDMARPC_RETURN_IF_ERROR(
       CheckMetadata({&head.initial_metadata, &head.trailing_metadata}, limits));
