@@ -134,10 +134,10 @@ rpc_instructions() {
     run_sys=stock
     release=1
   fi
-  # The first valgrind run of a VM boot reads every library cold over 9p
-  # and can miss gRPC's 5 s connect attempt (the warm-up call fails); a
-  # run that fails is tried once more, and a second failure gives no rows
-  # rather than a difference over profiles of different work.
+  # A run that fails (its warm-up call, say) is tried once more, and a
+  # second failure gives no rows rather than a difference over profiles
+  # of different work. (Before rpc_bench gave the gRPC connect 2 minutes
+  # under valgrind, a slow host missed the 5 s default every time.)
   for n in 1000 3000; do
     local attempt
     for attempt in 1 2; do

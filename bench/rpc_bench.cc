@@ -39,9 +39,10 @@
 // servers in this one (one server: not for fanout). CPU and allocations
 // per call then count the client's end only.
 //
-// RDMARPC_BENCH_UNDER_VALGRIND=1 gives the RDMA handshake minutes, turns
-// the peer timeout off and counts an inline handler as a stall only past
-// 1 s (RDMARPC_INLINE_STALL_US), for counting instructions under callgrind.
+// RDMARPC_BENCH_UNDER_VALGRIND=1 gives the gRPC connect and the RDMA
+// handshake minutes, turns the peer timeout off and counts an inline
+// handler as a stall only past 1 s (RDMARPC_INLINE_STALL_US), for counting
+// instructions under callgrind.
 //
 // RDMARPC_BENCH_CALLS=N makes latency, blocking, throughput and crowded
 // make exactly N calls per size (per count) after the warm-up, untimed (for
@@ -231,6 +232,7 @@ class RdmarpcTarget final : public Target {
     const char* slow = std::getenv("RDMARPC_BENCH_UNDER_VALGRIND");
     if (slow != nullptr && *slow == '1') {
       options.rdma_connect_timeout = std::chrono::minutes(2);
+      options.grpc_connect_attempt_timeout = std::chrono::minutes(2);
       options.rdma_peer_timeout = std::chrono::milliseconds(0);
     }
     // RDMARPC_BENCH_CALLBACKS_INLINE=0: callbacks on the runtime's callback

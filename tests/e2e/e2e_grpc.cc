@@ -4,8 +4,10 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/credentials.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -139,6 +141,53 @@ TEST(Keepalive, CallToAFrozenServerFailsUnavailable) {
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   child.Freeze();
   rdmarpc::Status s = done.get();
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+}
+
+// A listener whose connections the kernel completes but nobody ever
+// answers: TCP connects, HTTP/2's handshake never ends.
+class SilentListener {
+ public:
+  SilentListener() {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    if (fd_ < 0 || bind(fd_, reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
+        listen(fd_, 16) != 0 ||
+        getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      return;
+    }
+    port_ = ntohs(addr.sin_port);
+  }
+  ~SilentListener() {
+    if (fd_ >= 0) close(fd_);
+  }
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+// The channel's gRPC connect attempt ends after
+// grpc_connect_attempt_timeout: the call fails UNAVAILABLE then, well
+// before its deadline. Under the default (5 s) it would still be waiting
+// when the deadline ends it with DEADLINE_EXCEEDED.
+TEST(GrpcConnectAttempt, EndsAfterItsTimeout) {
+  SilentListener silent;
+  ASSERT_NE(silent.port(), 0) << "no listening socket";
+  rdmarpc::ChannelOptions options;
+  options.policy = rdmarpc::TransportPolicy::kGrpc;
+  options.grpc_connect_attempt_timeout = std::chrono::milliseconds(200);
+  auto stub = E2E::NewStub(rdmarpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(silent.port()), options));
+  rdmarpc::ClientContext ctx;
+  ctx.set_timeout(std::chrono::seconds(4));
+  EchoRequest req;
+  EchoResponse resp;
+  rdmarpc::Status s = stub->Echo(&ctx, req, &resp);
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
 }
 

@@ -10,7 +10,9 @@
 #include <grpcpp/support/time.h>
 #include <pthread.h>
 
+#include <algorithm>
 #include <atomic>
+#include <climits>
 #include <condition_variable>
 #include <cstdint>
 #include <future>
@@ -636,10 +638,14 @@ GrpcClientTransport::GrpcClientTransport(const std::string& target,
   // gRPC is the fallback: after a server restart it must come back in
   // seconds, not after gRPC's default backoff of up to 120 s. gRPC reads
   // the "min reconnect backoff" as the least time it gives one connect
-  // attempt: at 100 ms a slow host (a TCG VM) missed its first HTTP/2
-  // handshake. A refused connect still fails at once.
+  // attempt (ChannelOptions::grpc_connect_attempt_timeout): at 100 ms a
+  // slow host (a TCG VM) missed its first HTTP/2 handshake.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 5000);
+  if (options.grpc_connect_attempt_timeout.count() > 0) {
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS,
+                static_cast<int>(std::min<int64_t>(
+                    options.grpc_connect_attempt_timeout.count(), INT_MAX)));
+  }
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   if (options.keepalive_time.count() > 0) {
     args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS,

@@ -117,6 +117,14 @@ struct ChannelOptions {
   // (rdma_peer_timeout).
   std::chrono::milliseconds keepalive_time{0};
   std::chrono::milliseconds keepalive_timeout{20000};
+  // The least time one attempt to open the channel's gRPC connection (TCP,
+  // then TLS and HTTP/2's handshake) gets before it is given up, as gRPC's
+  // GRPC_ARG_MIN_RECONNECT_BACKOFF_MS. The RDMA handshake runs over this
+  // connection, so a host too slow to connect in time (a process under
+  // valgrind, an emulated VM) fails its first calls with UNAVAILABLE
+  // ("tcp handshaker shutdown"): raise it there. A refused connect still
+  // fails at once. 0: gRPC's own default (20 s).
+  std::chrono::milliseconds grpc_connect_attempt_timeout{5000};
 };
 
 // A channel's RDMA health; see the diagram at the top of this file.
