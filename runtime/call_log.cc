@@ -1,5 +1,8 @@
 #include "runtime/call_log.h"
 
+#include <algorithm>
+
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "runtime/access.h"
 #include "runtime/tensor_walk.h"
@@ -117,6 +120,42 @@ void CallLog::DropLocked(absl::flat_hash_map<Key, Record>::iterator it,
   records_.erase(it);
 }
 
+// Records expire together, at most one sweep a second while they do; a
+// waiting repeat times out a little after its settle timeout. Both leave
+// room for the coarse clock the log reads to catch up with the wake-up.
+constexpr auto kExpirySlack = std::chrono::seconds(1);
+constexpr auto kTimeoutSlack = std::chrono::milliseconds(50);
+
+CallLog::Clock::time_point CallLog::NextSweepLocked(
+    Clock::time_point now) const {
+  auto next = Clock::time_point::max();
+  // A record overdue but unsettled (a handler past the window) is dropped
+  // once it settles, which no call tells the sweeper: looked at every
+  // second meanwhile.
+  if (!overdue_.empty()) next = now + kExpirySlack;
+  for (const Key& key : order_) {
+    auto it = records_.find(key);
+    if (it == records_.end()) continue;
+    next = std::min(next, it->second.admitted + options_.window + kExpirySlack);
+    break;
+  }
+  for (const Key& key : waited_on_) {
+    auto it = records_.find(key);
+    if (it == records_.end() || it->second.stage != Record::Stage::kSending) {
+      continue;  // a running call's waiters are answered when it finishes
+    }
+    next = std::min(
+        next, it->second.finished + options_.settle_timeout + kTimeoutSlack);
+  }
+  return next;
+}
+
+bool CallLog::DueLocked(Clock::time_point due) {
+  if (due >= planned_sweep_) return false;
+  planned_sweep_ = due;
+  return options_.sweep_sooner != nullptr;
+}
+
 void CallLog::ExpireLocked(Clock::time_point now) {
   std::vector<Waiter> unused;
   while (!order_.empty()) {
@@ -140,6 +179,11 @@ void CallLog::ExpireLocked(Clock::time_point now) {
 
 bool CallLog::Admit(const std::shared_ptr<ServerCallState>& state,
                     Dispatcher::Completion& done) {
+  bool sweep_sooner = false;
+  // Declared before the lock, so it runs after the lock is released.
+  absl::Cleanup tell_owner = [&] {
+    if (sweep_sooner) options_.sweep_sooner();
+  };
   std::unique_lock<std::mutex> lock(mu_);
   auto now = options_.now();
   ExpireLocked(now);
@@ -157,6 +201,7 @@ bool CallLog::Admit(const std::shared_ptr<ServerCallState>& state,
     }
     it->second.admitted = now;
     order_.push_back(KeyOf(*state));
+    sweep_sooner = DueLocked(now + options_.window + kExpirySlack);
     return true;
   }
   Record& r = it->second;
@@ -174,6 +219,10 @@ bool CallLog::Admit(const std::shared_ptr<ServerCallState>& state,
       }
       if (r.waiters.empty()) waited_on_.push_back(it->first);
       r.waiters.push_back({state, AnswerAside(std::move(done))});
+      if (r.stage == Record::Stage::kSending) {
+        sweep_sooner =
+            DueLocked(r.finished + options_.settle_timeout + kTimeoutSlack);
+      }
       if (std::shared_ptr<ResponsePath> path = r.path.lock()) {
         lock.unlock();  // the close reports Undelivered, which takes mu_
         path->Abandon(ResentElsewhere(state->call_id));
@@ -259,8 +308,9 @@ void CallLog::Undelivered(std::shared_ptr<ServerCallState> state, Status status,
   }
 }
 
-void CallLog::Sweep() {
+CallLog::Clock::time_point CallLog::Sweep() {
   std::vector<Waiter> timed_out;
+  Clock::time_point next;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto now = options_.now();
@@ -281,8 +331,11 @@ void CallLog::Sweep() {
       return true;
     });
     stats_.repeats_refused += timed_out.size();
+    next = NextSweepLocked(now);
+    planned_sweep_ = next;
   }
   Refuse(timed_out, FateUnknown);
+  return next;
 }
 
 void CallLog::Close() {

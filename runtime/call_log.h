@@ -32,8 +32,11 @@
 // response on its request's arena (internal::RequestArena) keeps the
 // request too, and whatever else the handler made on that arena.
 //
-// The owner calls Sweep() now and then (the server: every second) so that
-// waiting repeats time out without new traffic.
+// The owner calls Sweep() when it is due, so that waiting repeats time out
+// and old records go without new traffic: Sweep returns when the next one
+// has work, and Options::sweep_sooner tells the owner when a call brought
+// work due before that. A log with nothing to expire is not swept at all
+// (an idle server's sweeper sleeps).
 #ifndef RDMARPC_RUNTIME_CALL_LOG_H_
 #define RDMARPC_RUNTIME_CALL_LOG_H_
 
@@ -70,6 +73,10 @@ class CallLog {
     // worker: the log may answer from Delivered or Undelivered, which
     // transports call with their own locks held.)
     std::function<void(std::function<void()>)> run_repeat_answer;
+    // Runs, with no lock held, when a call brings work due before the time
+    // the last Sweep() returned: the first record of an empty log, a repeat
+    // that waits on a response being sent. The owner sweeps sooner.
+    std::function<void()> sweep_sooner;
   };
   struct Stats {
     uint64_t records = 0;           // now
@@ -100,8 +107,9 @@ class CallLog {
                    std::shared_ptr<google::protobuf::Message> response);
 
   // Expires old records and answers repeats that waited past
-  // settle_timeout with UNAVAILABLE.
-  void Sweep();
+  // settle_timeout with UNAVAILABLE. Returns when the next sweep has work
+  // (Clock::time_point::max(): none until a call comes).
+  Clock::time_point Sweep();
   // The server is shutting down: every waiting repeat gets UNAVAILABLE now,
   // and later repeats of running or sending calls get it at once.
   void Close();
@@ -145,6 +153,12 @@ class CallLog {
   // ones leave the order for overdue_, where Sweep drops them once they
   // settle. Requires mu_.
   void ExpireLocked(Clock::time_point now);
+  // When the next sweep has work, from what the log holds now. Requires
+  // mu_.
+  Clock::time_point NextSweepLocked(Clock::time_point now) const;
+  // Work comes due at `due`: true when that is before the planned sweep
+  // (which then moves to `due`), and the owner must be told. Requires mu_.
+  bool DueLocked(Clock::time_point due);
   // Erases `it`, moving its waiters (if any) to `answer`. Requires mu_.
   void DropLocked(absl::flat_hash_map<Key, Record>::iterator it,
                   Clock::time_point now, std::vector<Waiter>* answer);
@@ -167,6 +181,8 @@ class CallLog {
   std::vector<Key> overdue_;
   // Admission time of the newest record dropped before its window passed.
   Clock::time_point horizon_{};
+  // What the last Sweep() returned, moved earlier by DueLocked.
+  Clock::time_point planned_sweep_ = Clock::time_point::max();
   bool closed_ = false;
   Stats stats_;
 };

@@ -176,7 +176,8 @@ class ServerDispatcher final : public Dispatcher {
         log_(CallLog::Options{.run_repeat_answer =
                                   [this](std::function<void()> answer) {
                                     pool_.Post(std::move(answer));
-                                  }},
+                                  },
+                              .sweep_sooner = [this] { SweepSooner(); }},
              RandomNonZero()),
         // Inline, the pool answers repeats from the log and runs the
         // methods marked blocking or moved there.
@@ -200,6 +201,7 @@ class ServerDispatcher final : public Dispatcher {
     {
       std::lock_guard<std::mutex> lock(sweep_mu_);
       close_log_at_ = deadline;
+      sweep_sooner_ = true;
     }
     sweep_cv_.notify_all();
   }
@@ -391,24 +393,52 @@ class ServerDispatcher final : public Dispatcher {
   }
 
  private:
-  // Sweeps the log every second (so waiting re-sends time out without new
-  // traffic) and closes it at the shutdown deadline.
+  // Sweeps the log when it has work (so waiting re-sends time out and old
+  // records go without new traffic), and closes it at the shutdown
+  // deadline. With nothing due it sleeps until a call brings work.
   void SweepLog() {
     using SystemClock = std::chrono::system_clock;
+    using LogClock = CallLog::Clock;
+    // A floor on each wait: the log's coarse clock may read a due time as
+    // still ahead for a few milliseconds after it passed.
+    constexpr auto kMinWait = std::chrono::milliseconds(10);
     std::unique_lock<std::mutex> lock(sweep_mu_);
     bool closed = false;
+    LogClock::time_point due = LogClock::time_point::max();
+    auto woken = [this] { return stop_sweeping_ || sweep_sooner_; };
     while (!stop_sweeping_) {
-      auto next = SystemClock::now() + std::chrono::seconds(1);
-      if (close_log_at_ && !closed) next = std::min(next, *close_log_at_);
-      sweep_cv_.wait_until(lock, next);
+      std::optional<std::chrono::nanoseconds> wait;
+      if (due != LogClock::time_point::max()) wait = due - LogClock::now();
+      if (close_log_at_ && !closed) {
+        const std::chrono::nanoseconds to_close =
+            *close_log_at_ - SystemClock::now();
+        wait = wait ? std::min(*wait, to_close) : to_close;
+      }
+      if (wait) {
+        sweep_cv_.wait_for(
+            lock, std::max<std::chrono::nanoseconds>(*wait, kMinWait), woken);
+      } else {
+        sweep_cv_.wait(lock, woken);
+      }
+      sweep_sooner_ = false;
+      if (stop_sweeping_) break;
       bool close =
           !closed && close_log_at_ && SystemClock::now() >= *close_log_at_;
       lock.unlock();
       if (close) log_.Close();
-      log_.Sweep();
+      due = log_.Sweep();
       lock.lock();
       closed = closed || close;
     }
+  }
+
+  // CallLog::Options::sweep_sooner.
+  void SweepSooner() {
+    {
+      std::lock_guard<std::mutex> lock(sweep_mu_);
+      sweep_sooner_ = true;
+    }
+    sweep_cv_.notify_all();
   }
 
   absl::flat_hash_map<std::string, ServerMethod> methods_;
@@ -428,6 +458,7 @@ class ServerDispatcher final : public Dispatcher {
   std::mutex sweep_mu_;
   std::condition_variable sweep_cv_;
   bool stop_sweeping_ = false;
+  bool sweep_sooner_ = false;  // guarded by sweep_mu_
   std::optional<std::chrono::system_clock::time_point> close_log_at_;
   std::thread sweeper_;
 };

@@ -262,6 +262,53 @@ TEST_F(CallLogTest, AStuckRecordDoesNotHoldBackExpiry) {
   EXPECT_EQ(unused.runs, 0);
 }
 
+// The owner sweeps only when the log has work: nothing in an empty log,
+// the oldest record's expiry, a waiting repeat's settle timeout. A call
+// that brings work due before the planned sweep tells the owner
+// (sweep_sooner); the calls after it do not.
+TEST_F(CallLogTest, SweepsOnlyWhenWorkIsDue) {
+  CallLog::Options options = Options();
+  int told = 0;
+  options.sweep_sooner = [&told] { ++told; };
+  CallLog log(options, kInstance);
+  EXPECT_EQ(log.Sweep(), Clock::time_point::max()) << "an empty log";
+  const Clock::time_point began = now_;
+  auto first = Call(1);
+  Outcome unused, waiting;
+  ASSERT_TRUE(Admit(log, first, &unused));
+  EXPECT_EQ(told, 1) << "the first record of an empty log";
+  now_ += 2s;
+  auto second = Call(2);
+  ASSERT_TRUE(Admit(log, second, &unused));
+  EXPECT_EQ(told, 1) << "due after the sweep already planned";
+  const Clock::time_point expiry = log.Sweep();
+  EXPECT_GT(expiry, began + 30s);
+  EXPECT_LE(expiry, began + 32s);
+  // A repeat of a call whose response is being sent times out before the
+  // first record expires: the owner is told.
+  log.Finished(*second, absl::OkStatus(), nullptr);
+  EXPECT_FALSE(Admit(log, Call(2, true), &waiting));
+  EXPECT_EQ(told, 2);
+  const Clock::time_point timeout = log.Sweep();
+  EXPECT_GT(timeout, now_ + 10s);
+  EXPECT_LT(timeout, expiry);
+  now_ = timeout;
+  EXPECT_EQ(log.Sweep(), expiry) << "the repeat answered, expiry is next";
+  ASSERT_EQ(waiting.runs, 1);
+  EXPECT_EQ(waiting.status->code(), absl::StatusCode::kUnavailable);
+  log.Finished(*first, absl::OkStatus(), nullptr);
+  log.Delivered(*first);
+  log.Delivered(*second);
+  now_ = expiry;
+  EXPECT_EQ(log.Sweep(), expiry + 2s) << "the second record expires next";
+  now_ = expiry + 2s;
+  EXPECT_EQ(log.Sweep(), Clock::time_point::max()) << "all expired";
+  EXPECT_EQ(log.stats().records, 0u);
+  EXPECT_EQ(unused.runs, 0);
+  ASSERT_TRUE(Admit(log, Call(3), &unused));
+  EXPECT_EQ(told, 3) << "empty again, then a record";
+}
+
 TEST_F(CallLogTest, RecordsOverTheCapMoveTheHorizon) {
   CallLog::Options options = Options();
   options.max_records = 4;
