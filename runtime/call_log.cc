@@ -156,7 +156,8 @@ bool CallLog::DueLocked(Clock::time_point due) {
   return options_.sweep_sooner != nullptr;
 }
 
-void CallLog::ExpireLocked(Clock::time_point now) {
+bool CallLog::ExpireLocked(Clock::time_point now) {
+  bool sweep_sooner = false;
   std::vector<Waiter> unused;
   while (!order_.empty()) {
     auto it = records_.find(order_.front());
@@ -173,8 +174,10 @@ void CallLog::ExpireLocked(Clock::time_point now) {
       DropLocked(it, now, &unused);  // settled: no waiters
     } else {
       overdue_.push_back(it->first);
+      sweep_sooner |= DueLocked(now + kExpirySlack);
     }
   }
+  return sweep_sooner;
 }
 
 bool CallLog::Admit(const std::shared_ptr<ServerCallState>& state,
@@ -186,7 +189,8 @@ bool CallLog::Admit(const std::shared_ptr<ServerCallState>& state,
   };
   std::unique_lock<std::mutex> lock(mu_);
   auto now = options_.now();
-  ExpireLocked(now);
+  // Records over max_records may go overdue here.
+  sweep_sooner = ExpireLocked(now);
   auto [it, first] = records_.try_emplace(KeyOf(*state));
   if (first) {
     Status refused = closed_ ? ShuttingDown(state->call_id)
@@ -201,7 +205,7 @@ bool CallLog::Admit(const std::shared_ptr<ServerCallState>& state,
     }
     it->second.admitted = now;
     order_.push_back(KeyOf(*state));
-    sweep_sooner = DueLocked(now + options_.window + kExpirySlack);
+    sweep_sooner |= DueLocked(now + options_.window + kExpirySlack);
     return true;
   }
   Record& r = it->second;
@@ -220,7 +224,7 @@ bool CallLog::Admit(const std::shared_ptr<ServerCallState>& state,
       if (r.waiters.empty()) waited_on_.push_back(it->first);
       r.waiters.push_back({state, AnswerAside(std::move(done))});
       if (r.stage == Record::Stage::kSending) {
-        sweep_sooner =
+        sweep_sooner |=
             DueLocked(r.finished + options_.settle_timeout + kTimeoutSlack);
       }
       if (std::shared_ptr<ResponsePath> path = r.path.lock()) {

@@ -151,8 +151,9 @@ class CallLog {
   }
   // Drops settled records past the window or over max_records; unsettled
   // ones leave the order for overdue_, where Sweep drops them once they
-  // settle. Requires mu_.
-  void ExpireLocked(Clock::time_point now);
+  // settle. True when that makes a sweep due sooner (DueLocked). Requires
+  // mu_.
+  bool ExpireLocked(Clock::time_point now);
   // When the next sweep has work, from what the log holds now. Requires
   // mu_.
   Clock::time_point NextSweepLocked(Clock::time_point now) const;

@@ -400,8 +400,10 @@ class ServerDispatcher final : public Dispatcher {
     using SystemClock = std::chrono::system_clock;
     using LogClock = CallLog::Clock;
     // A floor on each wait: the log's coarse clock may read a due time as
-    // still ahead for a few milliseconds after it passed.
-    constexpr auto kMinWait = std::chrono::milliseconds(10);
+    // still ahead for a few milliseconds after it passed. A ceiling too, so
+    // that a far shutdown deadline makes no wait the clocks cannot add.
+    constexpr std::chrono::nanoseconds kMinWait = std::chrono::milliseconds(10);
+    constexpr std::chrono::hours kMaxWait{1};
     std::unique_lock<std::mutex> lock(sweep_mu_);
     bool closed = false;
     LogClock::time_point due = LogClock::time_point::max();
@@ -410,13 +412,21 @@ class ServerDispatcher final : public Dispatcher {
       std::optional<std::chrono::nanoseconds> wait;
       if (due != LogClock::time_point::max()) wait = due - LogClock::now();
       if (close_log_at_ && !closed) {
-        const std::chrono::nanoseconds to_close =
-            *close_log_at_ - SystemClock::now();
+        // Subtracted only when ahead, and capped in the clock's own unit:
+        // no deadline overflows it.
+        const SystemClock::time_point now = SystemClock::now();
+        std::chrono::nanoseconds to_close{0};
+        if (*close_log_at_ > now) {
+          to_close = std::chrono::duration_cast<std::chrono::nanoseconds>(
+              std::min<SystemClock::duration>(*close_log_at_ - now, kMaxWait));
+        }
         wait = wait ? std::min(*wait, to_close) : to_close;
       }
       if (wait) {
         sweep_cv_.wait_for(
-            lock, std::max<std::chrono::nanoseconds>(*wait, kMinWait), woken);
+            lock,
+            std::clamp<std::chrono::nanoseconds>(*wait, kMinWait, kMaxWait),
+            woken);
       } else {
         sweep_cv_.wait(lock, woken);
       }

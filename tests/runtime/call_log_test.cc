@@ -309,6 +309,32 @@ TEST_F(CallLogTest, SweepsOnlyWhenWorkIsDue) {
   EXPECT_EQ(told, 3) << "empty again, then a record";
 }
 
+// A running call pushed out of the expiry order by max_records waits as
+// overdue until it settles: looked at every second, so the admission that
+// pushed it tells the owner.
+TEST_F(CallLogTest, ARecordPushedOverdueByTheCapBringsTheSweepForward) {
+  CallLog::Options options = Options();
+  options.max_records = 1;
+  int told = 0;
+  options.sweep_sooner = [&told] { ++told; };
+  CallLog log(options, kInstance);
+  Outcome unused;
+  auto running = Call(1);
+  ASSERT_TRUE(Admit(log, running, &unused));
+  EXPECT_EQ(told, 1);
+  EXPECT_GT(log.Sweep(), now_ + 30s);
+  ASSERT_TRUE(Admit(log, Call(2), &unused));
+  EXPECT_EQ(told, 1) << "within the cap";
+  ASSERT_TRUE(Admit(log, Call(3), &unused));
+  EXPECT_EQ(told, 2) << "the running call went overdue";
+  EXPECT_LE(log.Sweep(), now_ + 1s);
+  log.Finished(*running, absl::OkStatus(), nullptr);
+  log.Delivered(*running);
+  now_ += 1s;
+  log.Sweep();
+  EXPECT_EQ(log.stats().records, 2u) << "the settled overdue call is gone";
+}
+
 TEST_F(CallLogTest, RecordsOverTheCapMoveTheHorizon) {
   CallLog::Options options = Options();
   options.max_records = 4;

@@ -123,7 +123,8 @@ struct ChannelOptions {
   // connection, so a host too slow to connect in time (a process under
   // valgrind, an emulated VM) fails its first calls with UNAVAILABLE
   // ("tcp handshaker shutdown"): raise it there. A refused connect still
-  // fails at once. 0: gRPC's own default (20 s).
+  // fails at once. 0 or less: gRPC's own default (20 s); gRPC raises
+  // anything under 100 ms to 100 ms.
   std::chrono::milliseconds grpc_connect_attempt_timeout{5000};
 };
 
