@@ -36,12 +36,16 @@ fi
 # client that comes too early fails (perftest 4.5 may segfault) and can
 # leave the server stuck on the half-made connection, so it never does;
 # a client that still fails or hangs gets a fresh server, three times.
+# Before it reports, perftest times the cycle counter against the clock; on
+# a loaded emulated machine that can fail after the transfer worked
+# ("Correlation coefficient r^2: ... < 0.9", "Can't produce a report").
+# Such a run is tried again too, up to eight times, apart from the three.
 run_pair() {
   local tool="$1" out
   shift
   out="$(mktemp)"
-  local ok=0 server
-  for _ in 1 2 3; do
+  local ok=0 server tries=0 uncalibrated=0
+  while [ "$tries" -lt 3 ] && [ "$uncalibrated" -lt 8 ]; do
     "$tool" -d "$dev" -i "$port" -R "$@" >"$out.server" 2>&1 &
     server=$!
     for _ in $(seq 1 150); do
@@ -53,6 +57,11 @@ run_pair() {
       ok=1
       break
     fi
+    if grep -q "Can't produce a report" "$out"; then
+      uncalibrated=$((uncalibrated + 1))
+    else
+      tries=$((tries + 1))
+    fi
     kill "$server" 2>/dev/null || true
     wait "$server" 2>/dev/null || true
   done
@@ -60,7 +69,9 @@ run_pair() {
     cat "$out" "$out.server" >&2
     fail "$tool client did not complete against its server"
   fi
-  wait "$server" || {
+  # The client has the figures: a server that only failed to time its
+  # report is no failure.
+  wait "$server" || grep -q "Can't produce a report" "$out.server" || {
     cat "$out.server" >&2
     fail "$tool server failed"
   }
