@@ -13,8 +13,10 @@
 //                                           on one channel: MB/s, calls/s
 //   rpc_bench connections SYSTEM COUNTS...  64 B calls, one in flight on each
 //                                           of COUNT channels: calls/s
-//   rpc_bench idle        SYSTEM COUNTS...  COUNT channels connected, no
-//                                           calls for 5 s: CPU % of a core,
+//   rpc_bench idle        SYSTEM COUNTS...  COUNT channels connected and at
+//                                           rest (seconds from the last call
+//                                           until they are), no calls for
+//                                           5 s: CPU % of a core,
 //                                           and MiB pinned (VmPin), then
 //                                           again after a 64 KiB call on
 //                                           each
@@ -162,6 +164,8 @@ class Target {
   virtual ~Target() = default;
   virtual void Call(size_t bytes, std::function<void(bool)> done) = 0;
   virtual bool CallBlocking(size_t bytes) = 0;
+  // Times the channel's RDMA watcher woke (0 for systems without one).
+  virtual uint64_t WatcherWakeups() const { return 0; }
 };
 
 // The bytes every request sends (read-only, shared by all calls).
@@ -242,8 +246,13 @@ class RdmarpcTarget final : public Target {
     expected_ = policy == rdmarpc::TransportPolicy::kRdma
                     ? rdmarpc::TransportKind::kRdma
                     : rdmarpc::TransportKind::kGrpc;
-    stub_ = rdmarpc_test::E2E::NewStub(
-        rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port), options));
+    channel_ =
+        rdmarpc::CreateChannel("127.0.0.1:" + std::to_string(port), options);
+    stub_ = rdmarpc_test::E2E::NewStub(channel_);
+  }
+
+  uint64_t WatcherWakeups() const override {
+    return channel_->transport_stats().rdma_watch_wakeups;
   }
 
   bool CallBlocking(size_t bytes) override {
@@ -289,6 +298,7 @@ class RdmarpcTarget final : public Target {
   }
 
   rdmarpc::TransportKind expected_;
+  std::shared_ptr<rdmarpc::Channel> channel_;
   std::unique_ptr<rdmarpc_test::E2E::Stub> stub_;
 };
 
@@ -672,7 +682,33 @@ int main(int argc, char** argv) {
         targets.push_back(sys.Connect(port, static_cast<int>(c)));
         if (!targets.back()->CallBlocking(64)) Fail("warm-up call");
       }
-      std::this_thread::sleep_for(std::chrono::seconds(1));  // spins end
+      // Idle means at rest: the engines' spins have ended (1 s), and each
+      // channel's RDMA watcher, which wakes every 50 ms for a second after
+      // its channel's last call, sleeps until the next call. The watchers
+      // rest once their wake-up counts stand still for longer than five
+      // such periods.
+      const auto last_call = std::chrono::steady_clock::now();
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+      auto watcher_wakeups = [&targets] {
+        uint64_t sum = 0;
+        for (const auto& t : targets) sum += t->WatcherWakeups();
+        return sum;
+      };
+      for (uint64_t seen = watcher_wakeups();;) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        const uint64_t now = watcher_wakeups();
+        if (now == seen) break;
+        if (std::chrono::steady_clock::now() - last_call >
+            std::chrono::seconds(30)) {
+          Fail("idle: the channels' RDMA watchers did not rest in 30 s");
+        }
+        seen = now;
+      }
+      Row(std::to_string(count), "rest_s",
+          std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                        last_call)
+              .count(),
+          "s");
       const double seconds = 5;
       double cpu0 = CpuSeconds();
       std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
