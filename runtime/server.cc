@@ -167,13 +167,15 @@ class ServerDispatcher final : public Dispatcher {
   ServerDispatcher(absl::flat_hash_map<std::string, ServerMethod> methods,
                    int workers, uint64_t max_request_tensor_bytes,
                    uint32_t max_calls_per_connection, bool run_inline,
-                   std::vector<std::shared_ptr<ServerInterceptor>> interceptors)
+                   std::vector<std::shared_ptr<ServerInterceptor>> interceptors,
+                   std::chrono::milliseconds log_window)
       : methods_(std::move(methods)),
         interceptors_(std::move(interceptors)),
         max_request_tensor_bytes_(max_request_tensor_bytes),
         max_calls_per_connection_(max_calls_per_connection),
         run_inline_(run_inline),
-        log_(CallLog::Options{.run_repeat_answer =
+        log_(CallLog::Options{.window = log_window,
+                              .run_repeat_answer =
                                   [this](std::function<void()> answer) {
                                     pool_.Post(std::move(answer));
                                   },
@@ -564,6 +566,12 @@ ServerBuilder& ServerBuilder::SetMaxRdmaConnections(uint32_t connections) {
   return *this;
 }
 
+ServerBuilder& ServerBuilder::SetCallLogWindow(
+    std::chrono::milliseconds window) {
+  call_log_window_ = window;
+  return *this;
+}
+
 ServerBuilder& ServerBuilder::SetMaxRequestTensorBytes(uint64_t bytes) {
   max_request_tensor_bytes_ = bytes;
   return *this;
@@ -691,9 +699,15 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
       !receives.ok()) {
     return receives;
   }
+  if (call_log_window_.count() <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ServerBuilder::SetCallLogWindow: the window must be positive, not ",
+        call_log_window_.count(), " ms"));
+  }
   server->dispatcher_ = std::make_unique<internal::ServerDispatcher>(
       std::move(methods), workers, max_request_tensor_bytes_,
-      max_calls_per_connection_, handlers_inline_, interceptors_);
+      max_calls_per_connection_, handlers_inline_, interceptors_,
+      call_log_window_);
   std::unique_ptr<rdma::RdmaServerTransport> rdma;
   std::string no_rdma = "RDMA disabled in the server's configuration";
   if (rdma_) {

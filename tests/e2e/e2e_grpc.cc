@@ -243,6 +243,23 @@ TEST(GrpcPortThreads, InlineHandlersThatCallTheirOwnServerFinish) {
 }
 
 // SetGrpcThreads: that many threads poll the port; over 64 is refused.
+TEST(CallLogWindow, TheBuilderRefusesAWindowThatIsNotPositive) {
+  E2EService service;
+  int port = 0;
+  for (auto window :
+       {std::chrono::milliseconds(0), std::chrono::milliseconds(-5)}) {
+    auto refused = rdmarpc::ServerBuilder()
+                       .AddListeningPort("127.0.0.1:0", &port)
+                       .RegisterService(&service)
+                       .SetCallLogWindow(window)
+                       .BuildAndStart();
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(refused.status().message().find("SetCallLogWindow"),
+              std::string_view::npos)
+        << refused.status();
+  }
+}
+
 TEST(GrpcPortThreads, TheBuilderSetsHowManyThreadsPollThePort) {
   E2EService service;
   int port = 0;

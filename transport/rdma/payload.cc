@@ -308,6 +308,8 @@ Status ReceivePayload(const Parts& parts, std::string_view inline_bytes,
       }
     }
   }
+  // Nothing to land: a small call's parts all came in the frame.
+  if (all_in_frame) return absl::OkStatus();
   // Where each tensor goes: per field needs the message, which is known
   // here only when it came in the frame; otherwise FinishPayload moves the
   // tensors of fields placed apart.

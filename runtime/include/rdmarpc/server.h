@@ -341,6 +341,14 @@ class ServerBuilder {
   // calls over gRPC, with that reason in CallStats; a channel created later
   // asks again. Default 256.
   ServerBuilder& SetMaxRdmaConnections(uint32_t connections);
+  // How long the server keeps the record of each logged call (an RDMA
+  // call, or its re-send over gRPC), so that a client's re-send after its
+  // RDMA connection failed is answered from the record rather than run a
+  // second time. A re-send that comes later is refused with UNAVAILABLE
+  // saying the call may have run: keep it longer than the calls'
+  // deadlines. The log holds at most 262144 records, so a shorter window
+  // also holds fewer at high call rates. Must be positive. Default 30 s.
+  ServerBuilder& SetCallLogWindow(std::chrono::milliseconds window);
 
   // Whether to take RDMA connections (default: yes, when this host has an
   // RDMA device with an ACTIVE port; clients are told why not otherwise).
@@ -410,6 +418,7 @@ class ServerBuilder {
   uint64_t max_request_tensor_bytes_ = uint64_t{64} << 30;
   uint32_t max_calls_per_connection_ = 1024;
   uint32_t max_rdma_connections_ = 256;
+  std::chrono::milliseconds call_log_window_{30000};
   bool rdma_ = true;
   uint32_t rdma_receives_ = 64;
   uint64_t rdma_landing_pool_bytes_ = uint64_t{8} << 30;

@@ -1094,6 +1094,33 @@ TEST(RdmaTransport, AnIdleChannelsWatcherSleepsUntilTheNextCall) {
   EXPECT_GT(wakeups(), before) << "the call did not wake the watcher";
 }
 
+// The server's call log drops a record once its window has passed, with
+// no other call to make it look: its sweeper wakes for the record's expiry
+// (the window plus a second, to go in batches) and sleeps otherwise.
+TEST(RdmaTransport, TheCallLogDropsARecordAfterItsWindowWithoutNewCalls) {
+  Service service;
+  int port = 0;
+  auto server = rdmarpc::ServerBuilder()
+                    .AddListeningPort("127.0.0.1:0", &port)
+                    .RegisterService(&service)
+                    .SetCallLogWindow(std::chrono::milliseconds(200))
+                    .BuildAndStart();
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto channel = RdmaChannel(port);
+  auto stub = E2E::NewStub(channel);
+  ASSERT_TRUE(EchoOnce(stub.get(), 64, 1));
+  // The handler's outcome is recorded before the response leaves.
+  EXPECT_EQ((*server)->call_log_stats().calls_logged, 1u);
+  const auto give_up =
+      std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while ((*server)->call_log_stats().calls_logged != 0 &&
+         std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ((*server)->call_log_stats().calls_logged, 0u)
+      << "the record outlived its 200 ms window by 30 s";
+}
+
 TEST(RdmaTransport, CreditsRunOutUnderASlowHandlerAndCallsWait) {
   Service service;
   int port = 0;
