@@ -113,7 +113,7 @@ void CallLog::DropLocked(absl::flat_hash_map<Key, Record>::iterator it,
                          Clock::time_point now, std::vector<Waiter>* answer) {
   Record& r = it->second;
   // A re-send of a call dropped inside its window must not run it again.
-  if (now - r.admitted <= options_.window) {
+  if (now - r.admitted <= options_.window + kResendGrace) {
     horizon_ = std::max(horizon_, r.admitted);
   }
   for (Waiter& w : r.waiters) answer->push_back(std::move(w));
@@ -136,7 +136,8 @@ CallLog::Clock::time_point CallLog::NextSweepLocked(
   for (const Key& key : order_) {
     auto it = records_.find(key);
     if (it == records_.end()) continue;
-    next = std::min(next, it->second.admitted + options_.window + kExpirySlack);
+    next = std::min(next, it->second.admitted + options_.window + kResendGrace +
+                              kExpirySlack);
     break;
   }
   for (const Key& key : waited_on_) {
@@ -166,7 +167,7 @@ bool CallLog::ExpireLocked(Clock::time_point now) {
       continue;
     }
     Record& r = it->second;
-    bool old = now - r.admitted > options_.window;
+    bool old = now - r.admitted > options_.window + kResendGrace;
     bool over = records_.size() - overdue_.size() > options_.max_records;
     if (!old && !over) break;
     order_.pop_front();
@@ -205,7 +206,8 @@ bool CallLog::Admit(const std::shared_ptr<ServerCallState>& state,
     }
     it->second.admitted = now;
     order_.push_back(KeyOf(*state));
-    sweep_sooner |= DueLocked(now + options_.window + kExpirySlack);
+    sweep_sooner |=
+        DueLocked(now + options_.window + kResendGrace + kExpirySlack);
     return true;
   }
   Record& r = it->second;

@@ -24,8 +24,12 @@
 // on a record that cannot settle: when the transport has not said within
 // `settle_timeout` whether the response arrived, or the server shuts down
 // (Close), the repeat gets UNAVAILABLE saying the call may have run.
-// Memory: one small record per call for `window` (30 s), at most
-// `max_records`; a record that outlives its window unsettled (a long
+// `window` is a re-send's age as its client measured it when it sent it
+// (ServerCallState::Resend::age): a re-send at most that old is answered
+// from its record, which is kept kResendGrace longer, so that one sent at
+// the window's end still finds it after its way to the server.
+// Memory: one small record per call for `window` (30 s) and the grace, at
+// most `max_records`; a record that outlives its window unsettled (a long
 // handler) is dropped once it settles, so it never holds back the expiry
 // of later ones. An undelivered response keeps its message and tensor
 // buffers until it is delivered by a repeat or the window passes; a
@@ -60,6 +64,8 @@ namespace rdmarpc::internal {
 class CallLog {
  public:
   using Clock = std::chrono::steady_clock;
+  // How long a record outlives the window it answers re-sends in.
+  static constexpr std::chrono::seconds kResendGrace{2};
   struct Options {
     std::chrono::milliseconds window{30000};
     size_t max_records = size_t{1} << 18;
@@ -180,7 +186,8 @@ class CallLog {
   // Records with waiting repeats, and overdue ones, for Sweep.
   std::vector<Key> waited_on_;
   std::vector<Key> overdue_;
-  // Admission time of the newest record dropped before its window passed.
+  // Admission time of the newest record dropped before its window (and
+  // grace) passed.
   Clock::time_point horizon_{};
   // What the last Sweep() returned, moved earlier by DueLocked.
   Clock::time_point planned_sweep_ = Clock::time_point::max();

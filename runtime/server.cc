@@ -699,9 +699,11 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
       !receives.ok()) {
     return receives;
   }
-  if (call_log_window_.count() <= 0) {
+  if (call_log_window_ < std::chrono::seconds(1) ||
+      call_log_window_ > std::chrono::hours(24)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "ServerBuilder::SetCallLogWindow: the window must be positive, not ",
+        "ServerBuilder::SetCallLogWindow: the window must be from 1 s to "
+        "24 h, not ",
         call_log_window_.count(), " ms"));
   }
   server->dispatcher_ = std::make_unique<internal::ServerDispatcher>(

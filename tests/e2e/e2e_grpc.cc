@@ -242,24 +242,30 @@ TEST(GrpcPortThreads, InlineHandlersThatCallTheirOwnServerFinish) {
   (*server)->Shutdown();
 }
 
-// SetGrpcThreads: that many threads poll the port; over 64 is refused.
-TEST(CallLogWindow, TheBuilderRefusesAWindowThatIsNotPositive) {
+// SetCallLogWindow: under a second or over a day is refused, naming it.
+TEST(CallLogWindow, TheBuilderRefusesAWindowOutsideItsRange) {
   E2EService service;
   int port = 0;
   for (auto window :
-       {std::chrono::milliseconds(0), std::chrono::milliseconds(-5)}) {
+       {std::chrono::milliseconds(-5), std::chrono::milliseconds(0),
+        std::chrono::milliseconds(999),
+        std::chrono::duration_cast<std::chrono::milliseconds>(
+            std::chrono::hours(24) + std::chrono::milliseconds(1)),
+        std::chrono::milliseconds::max()}) {
     auto refused = rdmarpc::ServerBuilder()
                        .AddListeningPort("127.0.0.1:0", &port)
                        .RegisterService(&service)
                        .SetCallLogWindow(window)
                        .BuildAndStart();
-    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument)
+        << window.count() << " ms";
     EXPECT_NE(refused.status().message().find("SetCallLogWindow"),
               std::string_view::npos)
         << refused.status();
   }
 }
 
+// SetGrpcThreads: that many threads poll the port; over 64 is refused.
 TEST(GrpcPortThreads, TheBuilderSetsHowManyThreadsPollThePort) {
   E2EService service;
   int port = 0;

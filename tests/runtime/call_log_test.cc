@@ -247,7 +247,7 @@ TEST_F(CallLogTest, AStuckRecordDoesNotHoldBackExpiry) {
     log.Delivered(*c);
   }
   EXPECT_EQ(log.stats().records, 11u);
-  now_ += 31s;
+  now_ += 30s + CallLog::kResendGrace + 1s;
   log.Sweep();
   EXPECT_EQ(log.stats().records, 1u) << "only the running call is kept";
   // The running call stays exactly-once past its window.
@@ -283,7 +283,7 @@ TEST_F(CallLogTest, SweepsOnlyWhenWorkIsDue) {
   EXPECT_EQ(told, 1) << "due after the sweep already planned";
   const Clock::time_point expiry = log.Sweep();
   EXPECT_GT(expiry, began + 30s);
-  EXPECT_LE(expiry, began + 32s);
+  EXPECT_LE(expiry, began + 32s + CallLog::kResendGrace);
   // A repeat of a call whose response is being sent times out before the
   // first record expires: the owner is told.
   log.Finished(*second, absl::OkStatus(), nullptr);
@@ -357,6 +357,28 @@ TEST_F(CallLogTest, RecordsOverTheCapMoveTheHorizon) {
   EXPECT_FALSE(Admit(log, resend, &repeat));
   EXPECT_EQ(repeat.runs, 1);
   EXPECT_EQ(repeat.status->code(), absl::StatusCode::kUnavailable);
+}
+
+// A re-send is admitted by the age its client measured when it sent it;
+// the record stays kResendGrace past the window, so a re-send sent just
+// inside the window still finds it on arrival and is not run again.
+TEST_F(CallLogTest, AReSendFromTheWindowsEndFindsItsRecord) {
+  CallLog log(Options(), kInstance);
+  auto first = Call(40);
+  Outcome unused, repeat;
+  ASSERT_TRUE(Admit(log, first, &unused));
+  log.Finished(*first, absl::OkStatus(), nullptr);
+  log.Delivered(*first);
+  static_assert(CallLog::kResendGrace > 1s);
+  now_ += 31s;  // past the window, inside the grace
+  log.Sweep();
+  auto resend = Call(40, true);
+  resend->resend->age = 30s;
+  EXPECT_FALSE(Admit(log, resend, &repeat)) << "it would run a second time";
+  EXPECT_EQ(repeat.runs, 1);
+  EXPECT_NE(repeat.status->message().find("already ran"), std::string::npos)
+      << *repeat.status;
+  EXPECT_EQ(unused.runs, 0);
 }
 
 TEST_F(CallLogTest, RepeatsFromAnotherServerInstanceOrTooOldAreRefused) {

@@ -200,8 +200,8 @@ struct ChannelTransportStats {
   // landings for remote write.
   uint64_t rdma_landing_window_waits = 0;
   // Times the channel's RDMA watcher woke: every 50 ms while calls are
-  // outstanding and for a second after the last one, then never until the
-  // next call.
+  // outstanding and for a second after the last one, then only for the
+  // next call or a connection event (the server disconnecting, say).
   uint64_t rdma_watch_wakeups = 0;
   // Times a caller blocked in Channel::Call on this channel found
   // completions itself while it waited, polling the completion queue its

@@ -341,13 +341,15 @@ class ServerBuilder {
   // calls over gRPC, with that reason in CallStats; a channel created later
   // asks again. Default 256.
   ServerBuilder& SetMaxRdmaConnections(uint32_t connections);
-  // How long the server keeps the record of each logged call (an RDMA
-  // call, or its re-send over gRPC), so that a client's re-send after its
-  // RDMA connection failed is answered from the record rather than run a
-  // second time. A re-send that comes later is refused with UNAVAILABLE
-  // saying the call may have run: keep it longer than the calls'
-  // deadlines. The log holds at most 262144 records, so a shorter window
-  // also holds fewer at high call rates. Must be positive. Default 30 s.
+  // How long after a logged call (an RDMA call, or its re-send over gRPC)
+  // was first sent the server still answers its re-send from the call's
+  // record rather than run it a second time: a client re-sends a call
+  // after its RDMA connection failed. A re-send sent later is refused with
+  // UNAVAILABLE saying the call may have run: keep the window longer than
+  // the calls' deadlines. Each record is kept 2 s longer than the window,
+  // for the re-send's way to the server. The log holds at most 262144
+  // records (dropping the oldest settled ones first), so a shorter window
+  // also holds fewer at high call rates. From 1 s to 24 h; default 30 s.
   ServerBuilder& SetCallLogWindow(std::chrono::milliseconds window);
 
   // Whether to take RDMA connections (default: yes, when this host has an
