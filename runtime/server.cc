@@ -168,13 +168,14 @@ class ServerDispatcher final : public Dispatcher {
                    int workers, uint64_t max_request_tensor_bytes,
                    uint32_t max_calls_per_connection, bool run_inline,
                    std::vector<std::shared_ptr<ServerInterceptor>> interceptors,
-                   std::chrono::milliseconds log_window)
+                   std::chrono::milliseconds log_window, size_t log_max_records)
       : methods_(std::move(methods)),
         interceptors_(std::move(interceptors)),
         max_request_tensor_bytes_(max_request_tensor_bytes),
         max_calls_per_connection_(max_calls_per_connection),
         run_inline_(run_inline),
         log_(CallLog::Options{.window = log_window,
+                              .max_records = log_max_records,
                               .run_repeat_answer =
                                   [this](std::function<void()> answer) {
                                     pool_.Post(std::move(answer));
@@ -572,6 +573,11 @@ ServerBuilder& ServerBuilder::SetCallLogWindow(
   return *this;
 }
 
+ServerBuilder& ServerBuilder::SetCallLogMaxRecords(size_t records) {
+  call_log_max_records_ = records;
+  return *this;
+}
+
 ServerBuilder& ServerBuilder::SetMaxRequestTensorBytes(uint64_t bytes) {
   max_request_tensor_bytes_ = bytes;
   return *this;
@@ -706,10 +712,17 @@ StatusOr<std::unique_ptr<Server>> ServerBuilder::BuildAndStart() {
         "24 h, not ",
         call_log_window_.count(), " ms"));
   }
+  if (call_log_max_records_ < 1024 ||
+      call_log_max_records_ > (size_t{1} << 24)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ServerBuilder::SetCallLogMaxRecords: the log holds from 1024 to "
+        "16777216 records, not ",
+        call_log_max_records_));
+  }
   server->dispatcher_ = std::make_unique<internal::ServerDispatcher>(
       std::move(methods), workers, max_request_tensor_bytes_,
       max_calls_per_connection_, handlers_inline_, interceptors_,
-      call_log_window_);
+      call_log_window_, call_log_max_records_);
   std::unique_ptr<rdma::RdmaServerTransport> rdma;
   std::string no_rdma = "RDMA disabled in the server's configuration";
   if (rdma_) {

@@ -265,6 +265,31 @@ TEST(CallLogWindow, TheBuilderRefusesAWindowOutsideItsRange) {
   }
 }
 
+// SetCallLogMaxRecords: under 1024 or over 2^24 is refused, naming it.
+TEST(CallLogMaxRecords, TheBuilderRefusesALimitOutsideItsRange) {
+  E2EService service;
+  int port = 0;
+  for (size_t records : {size_t{0}, size_t{1023}, (size_t{1} << 24) + 1}) {
+    auto refused = rdmarpc::ServerBuilder()
+                       .AddListeningPort("127.0.0.1:0", &port)
+                       .RegisterService(&service)
+                       .SetCallLogMaxRecords(records)
+                       .BuildAndStart();
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument)
+        << records;
+    EXPECT_NE(refused.status().message().find("SetCallLogMaxRecords"),
+              std::string_view::npos)
+        << refused.status();
+  }
+  auto taken = rdmarpc::ServerBuilder()
+                   .AddListeningPort("127.0.0.1:0", &port)
+                   .RegisterService(&service)
+                   .SetCallLogMaxRecords(1024)
+                   .BuildAndStart();
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  (*taken)->Shutdown();
+}
+
 // SetGrpcThreads: that many threads poll the port; over 64 is refused.
 TEST(GrpcPortThreads, TheBuilderSetsHowManyThreadsPollThePort) {
   E2EService service;

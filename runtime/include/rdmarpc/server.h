@@ -27,6 +27,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <cstddef>
 #include <functional>
 #include <map>
 #include <memory>
@@ -347,10 +348,19 @@ class ServerBuilder {
   // after its RDMA connection failed. A re-send sent later is refused with
   // UNAVAILABLE saying the call may have run: keep the window longer than
   // the calls' deadlines. Each record is kept 2 s longer than the window,
-  // for the re-send's way to the server. The log holds at most 262144
-  // records (dropping the oldest settled ones first), so a shorter window
-  // also holds fewer at high call rates. From 1 s to 24 h; default 30 s.
+  // for the re-send's way to the server. The log holds at most
+  // SetCallLogMaxRecords records (dropping the oldest settled ones first),
+  // so a shorter window also holds fewer at high call rates. From 1 s to
+  // 24 h; default 30 s.
   ServerBuilder& SetCallLogWindow(std::chrono::milliseconds window);
+  // How many records the call log holds at most (default 262144, from 1024
+  // to 16777216); a record takes about 150 to 300 bytes. Past that the
+  // oldest settled records go before their window ends, and a re-send of a
+  // call no newer than one of them is refused with UNAVAILABLE saying the
+  // call may have run. Keep it above the calls a window brings: a server
+  // taking 100k logged calls a second fills 262144 in under 3 s of a 30 s
+  // window. Calls still running are kept whatever the limit.
+  ServerBuilder& SetCallLogMaxRecords(size_t records);
 
   // Whether to take RDMA connections (default: yes, when this host has an
   // RDMA device with an ACTIVE port; clients are told why not otherwise).
@@ -421,6 +431,7 @@ class ServerBuilder {
   uint32_t max_calls_per_connection_ = 1024;
   uint32_t max_rdma_connections_ = 256;
   std::chrono::milliseconds call_log_window_{30000};
+  size_t call_log_max_records_ = size_t{1} << 18;
   bool rdma_ = true;
   uint32_t rdma_receives_ = 64;
   uint64_t rdma_landing_pool_bytes_ = uint64_t{8} << 30;

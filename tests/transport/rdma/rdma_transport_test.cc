@@ -1123,6 +1123,39 @@ TEST(RdmaTransport, TheCallLogDropsARecordAfterItsWindowWithoutNewCalls) {
       << "the record outlived its 2 s window by over 25 s";
 }
 
+// SetCallLogMaxRecords bounds the log: past it the oldest settled records
+// go although their window (an hour here) has not passed.
+TEST(RdmaTransport, TheCallLogHoldsAtMostItsMaxRecords) {
+  Service service;
+  int port = 0;
+  constexpr uint64_t kMaxRecords = 1024;
+  auto server = rdmarpc::ServerBuilder()
+                    .AddListeningPort("127.0.0.1:0", &port)
+                    .RegisterService(&service)
+                    .SetCallLogWindow(std::chrono::hours(1))
+                    .SetCallLogMaxRecords(kMaxRecords)
+                    .BuildAndStart();
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto channel = RdmaChannel(port);
+  auto stub = E2E::NewStub(channel);
+  for (uint32_t i = 0; i < kMaxRecords + 100; ++i) {
+    ASSERT_TRUE(EchoOnce(stub.get(), 64, i)) << i;
+  }
+  // Each call drops what is over the limit before it is logged, so the
+  // newest call makes one more, until a sweep drops that one too. A record
+  // whose response was not yet reported sent when its turn came stays
+  // until the sweeper finds it settled.
+  auto logged = [&] { return (*server)->call_log_stats().calls_logged; };
+  const auto give_up =
+      std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (logged() > kMaxRecords + 1 &&
+         std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_LE(logged(), kMaxRecords + 1);
+  EXPECT_GE(logged(), kMaxRecords) << "records inside their window went";
+}
+
 TEST(RdmaTransport, CreditsRunOutUnderASlowHandlerAndCallsWait) {
   Service service;
   int port = 0;
