@@ -31,50 +31,20 @@ if [ -z "$addr" ]; then
 fi
 [ -n "$addr" ] || fail "no IPv4 address for $dev; set RDMARPC_RDMA_ADDR"
 
-# run_pair TOOL ARGS...: server in the background, client against it once
-# the server listens (rdma_cm shows its id in LISTEN), both must succeed. A
-# client that comes too early fails (perftest 4.5 may segfault) and can
-# leave the server stuck on the half-made connection, so it never does;
-# a client that still fails or hangs gets a fresh server, three times.
-# Before it reports, perftest times the cycle counter against the clock; on
-# a loaded emulated machine that can fail after the transfer worked
-# ("Correlation coefficient r^2: ... < 0.9", "Can't produce a report").
-# Such a run is tried again too, up to eight times, apart from the three.
+# run_pair TOOL ARGS...: the client's output (tests/rdma_vm/perftest_pair.sh
+# tries again what a loaded, emulated machine makes fail).
+# shellcheck source=tests/rdma_vm/perftest_pair.sh
+source "$(dirname "$0")/perftest_pair.sh"
 run_pair() {
-  local tool="$1" out
+  local tool="$1" out rc=0
   shift
   out="$(mktemp)"
-  local ok=0 server tries=0 uncalibrated=0
-  while [ "$tries" -lt 3 ] && [ "$uncalibrated" -lt 8 ]; do
-    "$tool" -d "$dev" -i "$port" -R "$@" >"$out.server" 2>&1 &
-    server=$!
-    for _ in $(seq 1 150); do
-      rdma res show cm_id 2>/dev/null | grep -q "state LISTEN.* pid $server " && break
-      kill -0 "$server" 2>/dev/null || break
-      sleep 0.2
-    done
-    if timeout 300 "$tool" -d "$dev" -i "$port" -R "$@" "$addr" >"$out" 2>&1; then
-      ok=1
-      break
-    fi
-    if grep -q "Can't produce a report" "$out"; then
-      uncalibrated=$((uncalibrated + 1))
-    else
-      tries=$((tries + 1))
-    fi
-    kill "$server" 2>/dev/null || true
-    wait "$server" 2>/dev/null || true
-  done
-  if [ "$ok" -ne 1 ]; then
+  perftest_pair "$out" "$addr" "$tool" -d "$dev" -i "$port" "$@" || rc=$?
+  if [ "$rc" -ne 0 ]; then
     cat "$out" "$out.server" >&2
+    [ "$rc" -eq 2 ] && fail "$tool server failed"
     fail "$tool client did not complete against its server"
   fi
-  # The client has the figures: a server that only failed to time its
-  # report is no failure.
-  wait "$server" || grep -q "Can't produce a report" "$out.server" || {
-    cat "$out.server" >&2
-    fail "$tool server failed"
-  }
   cat "$out"
   rm -f "$out" "$out.server"
 }
