@@ -335,14 +335,16 @@ run interference "$bin/rpc_bench" interference rdma "$interfere"
 # ib_write_bw moves messages of the same size back to back on a second
 # connection (its own port): what the wire itself does to small messages
 # under a bulk transfer (soft-RoCE processes packets on the same CPUs).
+# The load may run 600 s, so that runs measured again fit in it; it is
+# stopped once ib_send_lat is done.
 perftest_interference() {
   local bytes="$1" phase bw_server bw_client
   for phase in idle loaded; do
     if [[ "$phase" == loaded ]]; then
-      ib_write_bw -d "$dev" -R -s "$bytes" -D 120 -p 18600 >/dev/null 2>&1 &
+      ib_write_bw -d "$dev" -R -s "$bytes" -D 600 -p 18600 >/dev/null 2>&1 &
       bw_server=$!
       sleep 2
-      ib_write_bw -d "$dev" -R -s "$bytes" -D 120 -p 18600 "$addr" \
+      ib_write_bw -d "$dev" -R -s "$bytes" -D 600 -p 18600 "$addr" \
         >"$sc_tmp/bw_client" 2>&1 &
       bw_client=$!
       # Moving once it prints its table's header (registering 1 GiB takes
@@ -354,14 +356,21 @@ perftest_interference() {
       sleep 2
     fi
     # -F: under load perftest's CPU-frequency check may fail the run.
-    perftest ib_send_lat 64 2000 -F |
-      sed -e "s/^perftest,ib_send_lat,64,t_typical,/interference,ib_send_lat,$bytes,${phase}_p50,/" \
-        -e "s/^perftest,ib_send_lat,64,t_p99,/interference,ib_send_lat,$bytes,${phase}_p99,/"
+    local rows
+    rows="$(perftest ib_send_lat 64 2000 -F)"
+    # Runs measured again (perftest_pair) may outlast the load: such rows
+    # would not be loaded ones.
+    if [[ "$phase" == loaded ]] && ! kill -0 "$bw_client" 2>/dev/null; then
+      echo "bench: interference: ib_write_bw ended before ib_send_lat did; no loaded row" >&2
+      rows=""
+    fi
+    [[ -z "$rows" ]] || sed -e "s/^perftest,ib_send_lat,64,t_typical,/interference,ib_send_lat,$bytes,${phase}_p50,/" \
+      -e "s/^perftest,ib_send_lat,64,t_p99,/interference,ib_send_lat,$bytes,${phase}_p99,/" <<<"$rows"
   done
   kill "$bw_client" "$bw_server" 2>/dev/null || true
   wait "$bw_client" "$bw_server" 2>/dev/null || true
 }
-COMMAND_TEXT="ib_send_lat -d $dev -R -s 64 -n 2000 -F [$addr], alone and while ib_write_bw -d $dev -R -s $interfere -D 120 -p 18600 [$addr] runs" \
+COMMAND_TEXT="ib_send_lat -d $dev -R -s 64 -n 2000 -F [$addr], alone and while ib_write_bw -d $dev -R -s $interfere -D 600 -p 18600 [$addr] runs" \
   run interference perftest_interference "$interfere"
 run threshold "$bin/rpc_bench" threshold rdma 256 1024 4096 8192 16384 24576
 micro() {

@@ -84,12 +84,34 @@ Status CallLog::CheckUnknownRepeat(const ServerCallState& state,
         "restarted since it was first sent; it is not run again (it may "
         "have run before the restart)"));
   }
-  auto sent = now - r.age;
-  if (r.age > options_.window || sent <= horizon_) {
+  if (r.age > options_.window) {
     return absl::UnavailableError(absl::StrCat(
         call, " was re-sent ", r.age.count(),
         " ms after it was first sent, beyond what the server's call log "
         "still covers; it is not run again (it may have run)"));
+  }
+  // When the call was first sent, by this clock, give or take the re-send
+  // header's way here (at most kResendGrace). Its record, had it come, was
+  // admitted later and kept at least the window and the grace past that.
+  const auto sent = r.arrived - r.age;
+  if (now - sent > options_.window) {
+    return absl::UnavailableError(absl::StrCat(
+        call, " was re-sent ", r.age.count(),
+        " ms after it was first sent and reached its handler ",
+        std::chrono::duration_cast<std::chrono::milliseconds>(now - sent)
+            .count(),
+        " ms after it, beyond what the server's call log still covers; it "
+        "is not run again (it may have run)"));
+  }
+  // A record dropped over max_records was admitted by horizon_, which may
+  // be before `sent` by as much as the header's way.
+  if (sent <= horizon_ + kResendGrace) {
+    return absl::UnavailableError(absl::StrCat(
+        call,
+        " was first sent before calls the server's call log has already "
+        "dropped to stay within its limit "
+        "(ServerBuilder::SetCallLogMaxRecords); it is not run again (it "
+        "may have run)"));
   }
   return absl::OkStatus();
 }
@@ -157,7 +179,7 @@ bool CallLog::DueLocked(Clock::time_point due) {
   return options_.sweep_sooner != nullptr;
 }
 
-bool CallLog::ExpireLocked(Clock::time_point now) {
+bool CallLog::ExpireLocked(Clock::time_point now, size_t room) {
   bool sweep_sooner = false;
   std::vector<Waiter> unused;
   while (!order_.empty()) {
@@ -168,7 +190,7 @@ bool CallLog::ExpireLocked(Clock::time_point now) {
     }
     Record& r = it->second;
     bool old = now - r.admitted > options_.window + kResendGrace;
-    bool over = records_.size() - overdue_.size() > options_.max_records;
+    bool over = records_.size() - overdue_.size() + room > options_.max_records;
     if (!old && !over) break;
     order_.pop_front();
     if (Settled(r)) {
@@ -190,8 +212,8 @@ bool CallLog::Admit(const std::shared_ptr<ServerCallState>& state,
   };
   std::unique_lock<std::mutex> lock(mu_);
   auto now = options_.now();
-  // Records over max_records may go overdue here.
-  sweep_sooner = ExpireLocked(now);
+  // Room for one more: records over max_records may go overdue here.
+  sweep_sooner = ExpireLocked(now, 1);
   auto [it, first] = records_.try_emplace(KeyOf(*state));
   if (first) {
     Status refused = closed_ ? ShuttingDown(state->call_id)
@@ -320,7 +342,7 @@ CallLog::Clock::time_point CallLog::Sweep() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto now = options_.now();
-    ExpireLocked(now);
+    ExpireLocked(now, 0);
     std::erase_if(waited_on_, [&](const Key& key) {
       auto it = records_.find(key);
       if (it == records_.end() || it->second.waiters.empty()) return true;

@@ -27,7 +27,12 @@
 // `window` is a re-send's age as its client measured it when it sent it
 // (ServerCallState::Resend::age): a re-send at most that old is answered
 // from its record, which is kept kResendGrace longer, so that one sent at
-// the window's end still finds it after its way to the server.
+// the window's end still finds it: its header must reach the server within
+// kResendGrace of the client measuring its age. A re-send the log does
+// not know is run only where its record, had the call come before, would
+// still be here: first sent (its header's arrival less its age) within
+// the window of now, and more than kResendGrace after the newest record
+// dropped early to stay within max_records.
 // Memory: one small record per call for `window` (30 s) and the grace, at
 // most `max_records`; a record that outlives its window unsettled (a long
 // handler) is dropped once it settles, so it never holds back the expiry
@@ -155,11 +160,11 @@ class CallLog {
     return r.stage == Record::Stage::kSending &&
            now - r.finished > options_.settle_timeout;
   }
-  // Drops settled records past the window or over max_records; unsettled
-  // ones leave the order for overdue_, where Sweep drops them once they
-  // settle. True when that makes a sweep due sooner (DueLocked). Requires
-  // mu_.
-  bool ExpireLocked(Clock::time_point now);
+  // Drops settled records past the window, and the oldest ones until
+  // `room` more fit within max_records; unsettled ones leave the order for
+  // overdue_, where Sweep drops them once they settle. True when that
+  // makes a sweep due sooner (DueLocked). Requires mu_.
+  bool ExpireLocked(Clock::time_point now, size_t room);
   // When the next sweep has work, from what the log holds now. Requires
   // mu_.
   Clock::time_point NextSweepLocked(Clock::time_point now) const;

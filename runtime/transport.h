@@ -210,11 +210,17 @@ class ServerCallState {
   // re-sends themselves): the dispatcher runs them at most once per
   // (client_id, call_id); see call_log.h.
   uint64_t client_id = 0;
-  // Set on a re-send: the server instance the call was first sent to, and
-  // how long before this arrival.
+  // Set on a re-send: the server instance the call was first sent to; how
+  // long after its first send the client sent this re-send (`age`, by the
+  // client's clock); and when the re-send's header arrived here (by
+  // CoarseSteadyNow, the call log's clock). `arrived - age` is when the
+  // call was first sent, give or take the header's way: CallLog relies on
+  // that way taking under CallLog::kResendGrace, not on when the rest of
+  // the request arrives.
   struct Resend {
     uint64_t server_instance = 0;
     std::chrono::milliseconds age{0};
+    std::chrono::steady_clock::time_point arrived;
   };
   std::optional<Resend> resend;
   // Set by the dispatcher when the call went through its call log; the

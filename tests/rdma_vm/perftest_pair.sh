@@ -11,7 +11,9 @@
 #
 # Returns 0 when a client completed with figures and its server ended well
 # or failed only to time its report; 2 when the client did but its server
-# failed otherwise; 1 when no client completed (both outputs kept).
+# failed otherwise; 1 when no try gave figures: no client completed, or
+# the last ones could not time their report or read "inf" (both outputs
+# of the last try kept).
 #
 # Why it tries again:
 # - a client that comes before its server listens fails (perftest 4.5 may
@@ -28,12 +30,17 @@
 perftest_pair() {
   local out="$1" addr="$2" tool="$3"
   shift 3
-  local server tries=0 uncalibrated=0
+  local server ids tries=0 uncalibrated=0
+  command -v rdma >/dev/null ||
+    echo "perftest_pair: no 'rdma' tool (iproute2): the client waits 30 s for each server" >&2
   while [ "$tries" -lt 3 ] && [ "$uncalibrated" -lt 8 ]; do
     "$tool" -R "$@" >"$out.server" 2>&1 &
     server=$!
     for _ in $(seq 1 150); do
-      rdma res show cm_id 2>/dev/null | grep -q "state LISTEN.* pid $server " && break
+      # Read whole before grep: an early grep exit must not fail `rdma` by
+      # SIGPIPE under pipefail, which would read as "not listening".
+      ids="$(rdma res show cm_id 2>/dev/null)" || true
+      grep -q "state LISTEN.* pid $server " <<<"$ids" && break
       kill -0 "$server" 2>/dev/null || break
       sleep 0.2
     done

@@ -43,7 +43,7 @@ run_pair() {
   if [ "$rc" -ne 0 ]; then
     cat "$out" "$out.server" >&2
     [ "$rc" -eq 2 ] && fail "$tool server failed"
-    fail "$tool client did not complete against its server"
+    fail "$tool gave no figures (the client failed, or could not time its report, on every try)"
   fi
   cat "$out"
   rm -f "$out" "$out.server"

@@ -47,7 +47,8 @@ class CallLogTest : public ::testing::Test {
     return o;
   }
 
-  // A call as a transport hands it to the log; `resent` marks a re-send.
+  // A call as a transport hands it to the log; `resent` marks a re-send,
+  // sent 1 ms after the call, whose header arrives now.
   std::shared_ptr<ServerCallState> Call(uint64_t call_id, bool resent = false,
                                         uint64_t instance = kInstance) {
     auto state =
@@ -55,7 +56,7 @@ class CallLogTest : public ::testing::Test {
     state->client_id = kClient;
     state->call_id = call_id;
     state->logged = true;
-    if (resent) state->resend = ServerCallState::Resend{instance, 1ms};
+    if (resent) state->resend = ServerCallState::Resend{instance, 1ms, now_};
     return state;
   }
 
@@ -314,7 +315,7 @@ TEST_F(CallLogTest, SweepsOnlyWhenWorkIsDue) {
 // pushed it tells the owner.
 TEST_F(CallLogTest, ARecordPushedOverdueByTheCapBringsTheSweepForward) {
   CallLog::Options options = Options();
-  options.max_records = 1;
+  options.max_records = 2;
   int told = 0;
   options.sweep_sooner = [&told] { ++told; };
   CallLog log(options, kInstance);
@@ -335,28 +336,62 @@ TEST_F(CallLogTest, ARecordPushedOverdueByTheCapBringsTheSweepForward) {
   EXPECT_EQ(log.stats().records, 2u) << "the settled overdue call is gone";
 }
 
+// The log holds at most max_records. A re-send of a call dropped inside
+// its window to stay within them cannot be told apart from a new call, so
+// it is refused rather than run again, even when the re-send took longer
+// to come than the call's first send (its first send then looks later than
+// the horizon of dropped records).
 TEST_F(CallLogTest, RecordsOverTheCapMoveTheHorizon) {
   CallLog::Options options = Options();
   options.max_records = 4;
   CallLog log(options, kInstance);
-  Outcome unused, repeat;
-  for (uint64_t id = 1; id <= 6; ++id) {
+  Outcome unused, repeat, newer;
+  for (uint64_t id = 1; id <= 7; ++id) {
     auto c = Call(id);
     ASSERT_TRUE(Admit(log, c, &unused));
     log.Finished(*c, absl::OkStatus(), nullptr);
     log.Delivered(*c);
     now_ += 1ms;
   }
-  Outcome trigger;
-  ASSERT_TRUE(Admit(log, Call(7), &trigger));
-  EXPECT_LE(log.stats().records, 5u);
-  // Call 1 was dropped inside its window: a re-send of it cannot be told
-  // apart from a new call, so it is refused rather than run again.
-  auto resend = Call(1, true);
-  resend->resend->age = 10ms;
-  EXPECT_FALSE(Admit(log, resend, &repeat));
-  EXPECT_EQ(repeat.runs, 1);
+  EXPECT_EQ(log.stats().records, 4u) << "calls 4 to 7";
+  // Call 3, the newest dropped, was admitted the moment it was sent; its
+  // re-send was sent 3 ms later, and its header took about 500 ms to come.
+  now_ += 500ms;
+  auto resend = Call(3, true);
+  resend->resend->age = 3ms;
+  EXPECT_FALSE(Admit(log, resend, &repeat)) << "it would run a second time";
+  ASSERT_EQ(repeat.runs, 1);
   EXPECT_EQ(repeat.status->code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(repeat.status->message().find("SetCallLogMaxRecords"),
+            std::string::npos)
+      << *repeat.status;
+  // A call first sent past the grace after the horizon, which the log has
+  // not seen, runs.
+  now_ += CallLog::kResendGrace;
+  EXPECT_TRUE(Admit(log, Call(8, true), &newer));
+  EXPECT_EQ(unused.runs, 0);
+}
+
+// A re-send whose header came inside the window, but whose request took
+// past the record's expiry to arrive whole (a large tensor), is refused:
+// its record may be gone.
+TEST_F(CallLogTest, AReSendThatArrivesWholeAfterItsRecordExpiredIsRefused) {
+  CallLog log(Options(), kInstance);
+  auto first = Call(50);
+  Outcome unused, repeat;
+  ASSERT_TRUE(Admit(log, first, &unused));
+  log.Finished(*first, absl::OkStatus(), nullptr);
+  log.Delivered(*first);
+  now_ += 29s;
+  auto resend = Call(50, true);  // its header arrives now
+  resend->resend->age = 29s;
+  now_ += 6s;  // the record expires at 32 s
+  EXPECT_FALSE(Admit(log, resend, &repeat)) << "it would run a second time";
+  ASSERT_EQ(repeat.runs, 1);
+  EXPECT_EQ(repeat.status->code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(repeat.status->message().find("may have run"), std::string::npos)
+      << *repeat.status;
+  EXPECT_EQ(log.stats().records, 0u);
 }
 
 // A re-send is admitted by the age its client measured when it sent it;

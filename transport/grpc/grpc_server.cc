@@ -26,6 +26,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "runtime/coarse_clock.h"
 #include "runtime/codec.h"
 #include "runtime/metadata.h"
 #include "runtime/request_arena.h"
@@ -532,7 +533,8 @@ class ServerCall final : public HealthWatcher {
     if (!r) return false;
     state_->client_id = r->client_id;
     state_->resend = internal::ServerCallState::Resend{
-        r->server_instance, std::chrono::milliseconds(r->age_ms)};
+        r->server_instance, std::chrono::milliseconds(r->age_ms),
+        internal::CoarseSteadyNow()};
     return true;
   }
 

@@ -317,10 +317,9 @@ Status ReceivePayload(const Parts& parts, std::string_view inline_bytes,
   if (!placement.by_field.empty() && prototype != nullptr &&
       !in.parts[0].out_of_band) {
     std::unique_ptr<google::protobuf::Message> probe(prototype->New());
-    const std::string_view message =
-        all_in_frame ? in.message_in_frame : std::string_view(in.message);
-    if (probe->ParseFromArray(message.data(),
-                              static_cast<int>(message.size()))) {
+    // Some part is out of band, so the message was copied out of the frame.
+    if (probe->ParseFromArray(in.message.data(),
+                              static_cast<int>(in.message.size()))) {
       auto resolved = placement.Resolve(*probe);
       if (resolved.ok() && resolved->size() == devices.size()) {
         devices.assign(resolved->begin(), resolved->end());

@@ -345,10 +345,12 @@ class ServerBuilder {
   // How long after a logged call (an RDMA call, or its re-send over gRPC)
   // was first sent the server still answers its re-send from the call's
   // record rather than run it a second time: a client re-sends a call
-  // after its RDMA connection failed. A re-send sent later is refused with
+  // after its RDMA connection failed. A re-send sent later, or one whose
+  // request (with its tensors) arrives whole later, is refused with
   // UNAVAILABLE saying the call may have run: keep the window longer than
-  // the calls' deadlines. Each record is kept 2 s longer than the window,
-  // for the re-send's way to the server. The log holds at most
+  // the calls' deadlines and the time a re-send of the largest request
+  // takes to upload. Each record is kept 2 s longer than the window, for
+  // the re-send's header's way to the server. The log holds at most
   // SetCallLogMaxRecords records (dropping the oldest settled ones first),
   // so a shorter window also holds fewer at high call rates. From 1 s to
   // 24 h; default 30 s.
@@ -356,10 +358,11 @@ class ServerBuilder {
   // How many records the call log holds at most (default 262144, from 1024
   // to 16777216); a record takes about 150 to 300 bytes. Past that the
   // oldest settled records go before their window ends, and a re-send of a
-  // call no newer than one of them is refused with UNAVAILABLE saying the
-  // call may have run. Keep it above the calls a window brings: a server
-  // taking 100k logged calls a second fills 262144 in under 3 s of a 30 s
-  // window. Calls still running are kept whatever the limit.
+  // call first sent before one of them went, or up to 2 s after, is
+  // refused with UNAVAILABLE saying the call may have run. Keep it above
+  // the calls a window brings: a server taking 100k logged calls a second
+  // fills 262144 in under 3 s of a 30 s window. Calls still running are
+  // kept whatever the limit.
   ServerBuilder& SetCallLogMaxRecords(size_t records);
 
   // Whether to take RDMA connections (default: yes, when this host has an
