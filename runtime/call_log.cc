@@ -91,8 +91,8 @@ Status CallLog::CheckUnknownRepeat(const ServerCallState& state,
         "still covers; it is not run again (it may have run)"));
   }
   // When the call was first sent, by this clock, give or take the re-send
-  // header's way here (at most kResendGrace). Its record, had it come, was
-  // admitted later and kept at least the window and the grace past that.
+  // first message's way here (at most kResendGrace). Its record, had it come,
+  // was admitted later and kept at least the window and the grace past that.
   const auto sent = r.arrived - r.age;
   if (now - sent > options_.window) {
     return absl::UnavailableError(absl::StrCat(
@@ -104,7 +104,7 @@ Status CallLog::CheckUnknownRepeat(const ServerCallState& state,
         "is not run again (it may have run)"));
   }
   // A record dropped over max_records was admitted by horizon_, which may
-  // be before `sent` by as much as the header's way.
+  // be before `sent` by as much as that way.
   if (sent <= horizon_ + kResendGrace) {
     return absl::UnavailableError(absl::StrCat(
         call,
@@ -212,8 +212,11 @@ bool CallLog::Admit(const std::shared_ptr<ServerCallState>& state,
   };
   std::unique_lock<std::mutex> lock(mu_);
   auto now = options_.now();
-  // Room for one more: records over max_records may go overdue here.
-  sweep_sooner = ExpireLocked(now, 1);
+  // Room for a new record (records over max_records may go overdue here),
+  // but not by dropping the record a repeat comes for.
+  const bool full = records_.size() - overdue_.size() >= options_.max_records;
+  sweep_sooner =
+      ExpireLocked(now, full && !records_.contains(KeyOf(*state)) ? 1 : 0);
   auto [it, first] = records_.try_emplace(KeyOf(*state));
   if (first) {
     Status refused = closed_ ? ShuttingDown(state->call_id)

@@ -27,10 +27,11 @@
 // `window` is a re-send's age as its client measured it when it sent it
 // (ServerCallState::Resend::age): a re-send at most that old is answered
 // from its record, which is kept kResendGrace longer, so that one sent at
-// the window's end still finds it: its header must reach the server within
-// kResendGrace of the client measuring its age. A re-send the log does
+// the window's end still finds it: its first message must reach the
+// server within kResendGrace of the client measuring its age
+// (ServerCallState::Resend::arrived). A re-send the log does
 // not know is run only where its record, had the call come before, would
-// still be here: first sent (its header's arrival less its age) within
+// still be here: first sent (its first message's arrival less its age) within
 // the window of now, and more than kResendGrace after the newest record
 // dropped early to stay within max_records.
 // Memory: one small record per call for `window` (30 s) and the grace, at

@@ -212,11 +212,12 @@ class ServerCallState {
   uint64_t client_id = 0;
   // Set on a re-send: the server instance the call was first sent to; how
   // long after its first send the client sent this re-send (`age`, by the
-  // client's clock); and when the re-send's header arrived here (by
-  // CoarseSteadyNow, the call log's clock). `arrived - age` is when the
-  // call was first sent, give or take the header's way: CallLog relies on
-  // that way taking under CallLog::kResendGrace, not on when the rest of
-  // the request arrives.
+  // client's clock); and when the re-send's first message (its head: the
+  // metadata, the message and up to 16 KiB of tensor bytes) arrived here
+  // (by CoarseSteadyNow, the call log's clock). `arrived - age` is when the
+  // call was first sent, give or take that way: CallLog relies on it
+  // taking under CallLog::kResendGrace, not on when the rest of the
+  // request arrives.
   struct Resend {
     uint64_t server_instance = 0;
     std::chrono::milliseconds age{0};

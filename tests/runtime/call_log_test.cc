@@ -48,7 +48,7 @@ class CallLogTest : public ::testing::Test {
   }
 
   // A call as a transport hands it to the log; `resent` marks a re-send,
-  // sent 1 ms after the call, whose header arrives now.
+  // sent 1 ms after the call, whose first message arrives now.
   std::shared_ptr<ServerCallState> Call(uint64_t call_id, bool resent = false,
                                         uint64_t instance = kInstance) {
     auto state =
@@ -355,7 +355,8 @@ TEST_F(CallLogTest, RecordsOverTheCapMoveTheHorizon) {
   }
   EXPECT_EQ(log.stats().records, 4u) << "calls 4 to 7";
   // Call 3, the newest dropped, was admitted the moment it was sent; its
-  // re-send was sent 3 ms later, and its header took about 500 ms to come.
+  // re-send was sent 3 ms later, and its first message took about 500 ms
+  // to come.
   now_ += 500ms;
   auto resend = Call(3, true);
   resend->resend->age = 3ms;
@@ -372,9 +373,30 @@ TEST_F(CallLogTest, RecordsOverTheCapMoveTheHorizon) {
   EXPECT_EQ(unused.runs, 0);
 }
 
-// A re-send whose header came inside the window, but whose request took
-// past the record's expiry to arrive whole (a large tensor), is refused:
-// its record may be gone.
+// At the limit, a repeat makes no room: the record it comes for stays,
+// however old, and answers it.
+TEST_F(CallLogTest, AtTheLimitARepeatOfTheOldestRecordIsAnswered) {
+  CallLog::Options options = Options();
+  options.max_records = 2;
+  CallLog log(options, kInstance);
+  Outcome unused, repeat;
+  auto oldest = Call(1);
+  ASSERT_TRUE(Admit(log, oldest, &unused));
+  auto response = Response("kept");
+  log.Finished(*oldest, absl::OkStatus(), response.get());
+  log.Undelivered(oldest, absl::OkStatus(), std::move(response));
+  auto newer = Call(2);
+  ASSERT_TRUE(Admit(log, newer, &unused));
+  EXPECT_FALSE(Admit(log, Call(1, true), &repeat));
+  ASSERT_EQ(repeat.runs, 1);
+  ASSERT_TRUE(repeat.status->ok()) << *repeat.status;
+  EXPECT_EQ(LabelOf(repeat), "kept");
+  EXPECT_EQ(log.stats().records, 2u);
+}
+
+// A re-send whose first message came inside the window, but whose request
+// took past the record's expiry to arrive whole (a large tensor), is
+// refused: its record may be gone.
 TEST_F(CallLogTest, AReSendThatArrivesWholeAfterItsRecordExpiredIsRefused) {
   CallLog log(Options(), kInstance);
   auto first = Call(50);
@@ -383,7 +405,7 @@ TEST_F(CallLogTest, AReSendThatArrivesWholeAfterItsRecordExpiredIsRefused) {
   log.Finished(*first, absl::OkStatus(), nullptr);
   log.Delivered(*first);
   now_ += 29s;
-  auto resend = Call(50, true);  // its header arrives now
+  auto resend = Call(50, true);  // its first message arrives now
   resend->resend->age = 29s;
   now_ += 6s;  // the record expires at 32 s
   EXPECT_FALSE(Admit(log, resend, &repeat)) << "it would run a second time";

@@ -21,7 +21,8 @@ std::optional<ResendMetadata> ParseResendMetadata(std::string_view value) {
   ResendMetadata r;
   if (fields.size() != 3 || !absl::SimpleAtoi(fields[0], &r.client_id) ||
       !absl::SimpleAtoi(fields[1], &r.server_instance) ||
-      !absl::SimpleAtoi(fields[2], &r.age_ms) || r.client_id == 0) {
+      !absl::SimpleAtoi(fields[2], &r.age_ms) || r.client_id == 0 ||
+      r.age_ms > kMaxResendAgeMs) {
     return std::nullopt;
   }
   return r;

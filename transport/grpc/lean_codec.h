@@ -54,7 +54,10 @@ StatusOr<internal::IncomingResult> AcceptHead(
     std::span<const TensorBuffer> supplied = {});
 
 // The `kResendKey` metadata value: client id (non-zero), the server
-// instance the call was first sent to, and its age. Nullopt if malformed.
+// instance the call was first sent to, and its age (at most
+// kMaxResendAgeMs, about 35 years, so that time arithmetic on it cannot
+// overflow). Nullopt if malformed.
+inline constexpr uint64_t kMaxResendAgeMs = uint64_t{1} << 40;
 struct ResendMetadata {
   uint64_t client_id = 0;
   uint64_t server_instance = 0;

@@ -357,12 +357,13 @@ class ServerBuilder {
   ServerBuilder& SetCallLogWindow(std::chrono::milliseconds window);
   // How many records the call log holds at most (default 262144, from 1024
   // to 16777216); a record takes about 150 to 300 bytes. Past that the
-  // oldest settled records go before their window ends, and a re-send of a
-  // call first sent before one of them went, or up to 2 s after, is
-  // refused with UNAVAILABLE saying the call may have run. Keep it above
-  // the calls a window brings: a server taking 100k logged calls a second
-  // fills 262144 in under 3 s of a 30 s window. Calls still running are
-  // kept whatever the limit.
+  // oldest settled records go before their window ends, and a re-send the
+  // log does not know, first sent no later than 2 s after the newest of
+  // them was logged, is refused with UNAVAILABLE saying the call may have
+  // run (a log that fills in under 2 s refuses every such re-send). Keep
+  // it above the calls a window brings: a server taking 100k logged calls
+  // a second fills 262144 in under 3 s of a 30 s window. Calls still
+  // running are kept whatever the limit.
   ServerBuilder& SetCallLogMaxRecords(size_t records);
 
   // Whether to take RDMA connections (default: yes, when this host has an

@@ -193,6 +193,22 @@ TEST(LeanCodecTest, AClaimedLengthIsNotReservedBeyondTheMessage) {
   EXPECT_LT(largest_allocation.load(), size_t{1} << 20);
 }
 
+// A re-send's metadata: an age past kMaxResendAgeMs (which time arithmetic
+// on it could overflow) is malformed, as is client id 0.
+TEST(ResendMetadata, AnAgePastTheBoundIsMalformed) {
+  auto ok = ParseResendMetadata("5.7.1000");
+  ASSERT_TRUE(ok.has_value());
+  EXPECT_EQ(ok->client_id, 5u);
+  EXPECT_EQ(ok->server_instance, 7u);
+  EXPECT_EQ(ok->age_ms, 1000u);
+  EXPECT_TRUE(ParseResendMetadata("5.7." + std::to_string(kMaxResendAgeMs))
+                  .has_value());
+  EXPECT_FALSE(ParseResendMetadata("5.7." + std::to_string(kMaxResendAgeMs + 1))
+                   .has_value());
+  EXPECT_FALSE(ParseResendMetadata("5.7.18446744073709551615").has_value());
+  EXPECT_FALSE(ParseResendMetadata("0.7.10").has_value());
+}
+
 }  // namespace
 }  // namespace rdmarpc::grpc_transport
 
