@@ -72,6 +72,13 @@ class CallLogTest : public ::testing::Test {
     return log.Admit(state, done);
   }
 
+  // The handler of `state` returned OK with no response, which reached
+  // the client.
+  static void Deliver(CallLog& log, const ServerCallState& state) {
+    log.Finished(state, absl::OkStatus(), nullptr);
+    log.Delivered(state);
+  }
+
   static std::unique_ptr<google::protobuf::Message> Response(
       const std::string& label) {
     auto r = std::make_unique<rdmarpc_runtime_test::Outer>();
@@ -178,8 +185,7 @@ TEST_F(CallLogTest, RepeatOfADeliveredCallIsRefusedNotRun) {
   auto first = Call(3);
   Outcome unused, repeat;
   ASSERT_TRUE(Admit(log, first, &unused));
-  log.Finished(*first, absl::OkStatus(), nullptr);
-  log.Delivered(*first);
+  Deliver(log, *first);
   EXPECT_FALSE(Admit(log, Call(3, true), &repeat));
   EXPECT_EQ(repeat.runs, 1);
   EXPECT_EQ(repeat.status->code(), absl::StatusCode::kUnavailable);
@@ -244,8 +250,7 @@ TEST_F(CallLogTest, AStuckRecordDoesNotHoldBackExpiry) {
   for (uint64_t id = 11; id <= 20; ++id) {
     auto c = Call(id);
     ASSERT_TRUE(Admit(log, c, &unused));
-    log.Finished(*c, absl::OkStatus(), nullptr);
-    log.Delivered(*c);
+    Deliver(log, *c);
   }
   EXPECT_EQ(log.stats().records, 11u);
   now_ += 30s + CallLog::kResendGrace + 1s;
@@ -297,8 +302,7 @@ TEST_F(CallLogTest, SweepsOnlyWhenWorkIsDue) {
   EXPECT_EQ(log.Sweep(), expiry) << "the repeat answered, expiry is next";
   ASSERT_EQ(waiting.runs, 1);
   EXPECT_EQ(waiting.status->code(), absl::StatusCode::kUnavailable);
-  log.Finished(*first, absl::OkStatus(), nullptr);
-  log.Delivered(*first);
+  Deliver(log, *first);
   log.Delivered(*second);
   now_ = expiry;
   EXPECT_EQ(log.Sweep(), expiry + 2s) << "the second record expires next";
@@ -329,8 +333,7 @@ TEST_F(CallLogTest, ARecordPushedOverdueByTheCapBringsTheSweepForward) {
   ASSERT_TRUE(Admit(log, Call(3), &unused));
   EXPECT_EQ(told, 2) << "the running call went overdue";
   EXPECT_LE(log.Sweep(), now_ + 1s);
-  log.Finished(*running, absl::OkStatus(), nullptr);
-  log.Delivered(*running);
+  Deliver(log, *running);
   now_ += 1s;
   log.Sweep();
   EXPECT_EQ(log.stats().records, 2u) << "the settled overdue call is gone";
@@ -349,8 +352,7 @@ TEST_F(CallLogTest, RecordsOverTheCapMoveTheHorizon) {
   for (uint64_t id = 1; id <= 7; ++id) {
     auto c = Call(id);
     ASSERT_TRUE(Admit(log, c, &unused));
-    log.Finished(*c, absl::OkStatus(), nullptr);
-    log.Delivered(*c);
+    Deliver(log, *c);
     now_ += 1ms;
   }
   EXPECT_EQ(log.stats().records, 4u) << "calls 4 to 7";
@@ -402,8 +404,7 @@ TEST_F(CallLogTest, AReSendThatArrivesWholeAfterItsRecordExpiredIsRefused) {
   auto first = Call(50);
   Outcome unused, repeat;
   ASSERT_TRUE(Admit(log, first, &unused));
-  log.Finished(*first, absl::OkStatus(), nullptr);
-  log.Delivered(*first);
+  Deliver(log, *first);
   now_ += 29s;
   auto resend = Call(50, true);  // its first message arrives now
   resend->resend->age = 29s;
@@ -424,8 +425,7 @@ TEST_F(CallLogTest, AReSendFromTheWindowsEndFindsItsRecord) {
   auto first = Call(40);
   Outcome unused, repeat;
   ASSERT_TRUE(Admit(log, first, &unused));
-  log.Finished(*first, absl::OkStatus(), nullptr);
-  log.Delivered(*first);
+  Deliver(log, *first);
   static_assert(CallLog::kResendGrace > 1s);
   now_ += 31s;  // past the window, inside the grace
   log.Sweep();
